@@ -1,0 +1,68 @@
+//! Micro-benchmarks of fence-core's per-message hot path: directive extraction and
+//! statement classification on realistic statements.
+
+use std::hint::black_box;
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use fence_core::{classify, directive, lexer};
+
+const PGBENCH_SELECT: &str = "SELECT abalance FROM pgbench_accounts WHERE aid = $1;";
+const PGBENCH_UPDATE: &str = "UPDATE pgbench_accounts SET abalance = abalance + $1 WHERE aid = $2;";
+const SQLCOMMENTER: &str = "UPDATE jobs SET state = 'running', started_at = now() WHERE id = $1 \
+     /*action='run',controller='scheduler',fencing_resource='billing',fencing_token='34',\
+     framework='django%3A4.2'*/";
+
+/// A 2 KB ORM-style SELECT with a leading fencing comment.
+fn orm_select() -> String {
+    let mut sql = String::from(
+        "/* fencing_token=34 fencing_resource=billing */ SELECT \"invoices\".\"id\", \
+         \"invoices\".\"customer_id\", \"invoices\".\"amount_cents\", \"invoices\".\"currency\", \
+         \"invoices\".\"status\", \"invoices\".\"created_at\", \"invoices\".\"updated_at\"",
+    );
+    let mut i = 0;
+    while sql.len() < 1900 {
+        sql.push_str(&format!(
+            ", \"customers_{i}\".\"name\" AS \"customer_name_{i}\", \
+             COALESCE(\"customers_{i}\".\"email\", '') AS \"customer_email_{i}\""
+        ));
+        i += 1;
+    }
+    sql.push_str(
+        " FROM \"invoices\" INNER JOIN \"customers\" ON \"customers\".\"id\" = \
+         \"invoices\".\"customer_id\" WHERE \"invoices\".\"status\" IN ($1, $2, $3) AND \
+         \"invoices\".\"created_at\" >= $4 ORDER BY \"invoices\".\"created_at\" DESC LIMIT 50",
+    );
+    sql
+}
+
+fn bench(c: &mut Criterion) {
+    let orm = orm_select();
+    let cases: [(&str, &[u8]); 4] = [
+        ("pgbench_select", PGBENCH_SELECT.as_bytes()),
+        ("pgbench_update", PGBENCH_UPDATE.as_bytes()),
+        ("sqlcommenter", SQLCOMMENTER.as_bytes()),
+        ("orm_select_2k", orm.as_bytes()),
+    ];
+    for (group, run) in [
+        (
+            "lexer",
+            (|sql| drop(black_box(lexer::Lexer::new(sql).count()))) as fn(&[u8]),
+        ),
+        ("directive_extract", |sql| {
+            drop(black_box(directive::extract(sql)))
+        }),
+        ("classify_analyze", |sql| {
+            drop(black_box(classify::analyze(sql)))
+        }),
+    ] {
+        let mut g = c.benchmark_group(group);
+        for (name, sql) in cases {
+            g.throughput(Throughput::Bytes(sql.len() as u64));
+            g.bench_function(name, |b| b.iter(|| run(black_box(sql))));
+        }
+        g.finish();
+    }
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

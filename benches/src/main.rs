@@ -1,0 +1,2 @@
+//! The pgbench overhead runner (see README, "Benchmarking").
+fn main() {}

@@ -1,0 +1,316 @@
+//! pgfence configuration: the TOML file's types, their defaults and one `validate()`.
+//!
+//! Every field documents its default. Unknown keys are errors (`deny_unknown_fields`), so a
+//! typo in a config file is reported instead of silently ignored. The example file
+//! `pgfence.example.toml` at the repository root shows every key and is tested to parse.
+#![forbid(unsafe_code)]
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use fence_core::token::Resource;
+use serde::{Deserialize, Serialize};
+
+/// Everything pgfence reads from its configuration file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Where clients connect. Default `127.0.0.1:6432`.
+    pub listen: SocketAddr,
+    /// The PostgreSQL server every session is forwarded to.
+    pub upstream: Upstream,
+    /// Connection limits and timeouts.
+    pub limits: Limits,
+    /// The fence: which resources exist and what happens without a token.
+    pub fence: Fence,
+    /// The admin console (virtual database `pgfence`).
+    pub admin: Admin,
+    /// Logs and metrics.
+    pub telemetry: Telemetry,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            listen: SocketAddr::from(([127, 0, 0, 1], 6432)),
+            upstream: Upstream::default(),
+            limits: Limits::default(),
+            fence: Fence::default(),
+            admin: Admin::default(),
+            telemetry: Telemetry::default(),
+        }
+    }
+}
+
+/// The upstream PostgreSQL server.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Upstream {
+    /// Host name or IP address of PostgreSQL. Default `127.0.0.1`.
+    pub host: String,
+    /// Port of PostgreSQL. Default `5432`.
+    pub port: u16,
+}
+
+impl Default for Upstream {
+    fn default() -> Self {
+        Upstream {
+            host: "127.0.0.1".into(),
+            port: 5432,
+        }
+    }
+}
+
+impl std::fmt::Display for Upstream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.host.contains(':') {
+            write!(f, "[{}]:{}", self.host, self.port)
+        } else {
+            write!(f, "{}:{}", self.host, self.port)
+        }
+    }
+}
+
+/// Limits that protect the proxy from misbehaving clients.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// Most client connections served at once; further ones get `53300 too_many_connections`.
+    /// Default 1000.
+    pub max_client_connections: usize,
+    /// Largest protocol message accepted from a client or the server, in bytes. Larger
+    /// length fields close that connection with an error. Default 256 MiB.
+    pub max_message_size: u32,
+    /// How long a client may take to send its startup packet. Default `15s`.
+    #[serde(with = "humantime_serde")]
+    pub startup_timeout: Duration,
+    /// How long connecting to the upstream may take. Default `10s`.
+    #[serde(with = "humantime_serde")]
+    pub connect_timeout: Duration,
+    /// On SIGTERM, how long sessions may take to finish before they are closed. Default `30s`.
+    #[serde(with = "humantime_serde")]
+    pub shutdown_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_client_connections: 1000,
+            max_message_size: 256 * 1024 * 1024,
+            startup_timeout: Duration::from_secs(15),
+            connect_timeout: Duration::from_secs(10),
+            shutdown_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// What to do with a write transaction that carries no token for its resource.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnMissingToken {
+    /// Roll the transaction back with FN002.
+    Reject,
+    /// Let it commit unfenced.
+    Allow,
+}
+
+/// The fence.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Fence {
+    /// Inject the commit-time check. `false` makes pgfence a plain proxy (for comparison in
+    /// benchmarks and tests). Default `true`.
+    pub enabled: bool,
+    /// Reject writes whose token is already known to be stale without sending them to the
+    /// server (SPEC section 6). Default `true`.
+    pub fast_path: bool,
+    /// Skip the check for transactions whose every statement provably cannot write
+    /// (see fence-core's classifier). `false` checks every transaction. Default `true`.
+    pub skip_read_only: bool,
+    /// Create or upgrade schema `pgfence` in the upstream database when the proxy starts,
+    /// as the user given here (needs CREATE on the database). Default: not set, do not install.
+    pub install_as: Option<String>,
+    /// The role that gets EXECUTE on the check function when pgfence installs the schema.
+    /// Default `PUBLIC`.
+    pub grant_to: Option<String>,
+    /// Policy for a missing token, for resources not listed in `resources`. Default `reject`.
+    pub on_missing_token: OnMissingToken,
+    /// Per-resource settings, keyed by resource name.
+    pub resources: BTreeMap<String, ResourcePolicy>,
+    /// Default resource for sessions that do not name one, by database (and optionally user).
+    pub defaults: Vec<DefaultResource>,
+}
+
+impl Default for Fence {
+    fn default() -> Self {
+        Fence {
+            enabled: true,
+            fast_path: true,
+            skip_read_only: true,
+            install_as: None,
+            grant_to: None,
+            on_missing_token: OnMissingToken::Reject,
+            resources: BTreeMap::new(),
+            defaults: Vec::new(),
+        }
+    }
+}
+
+/// Settings of one resource.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResourcePolicy {
+    /// What a write without a token gets. Default: `fence.on_missing_token`.
+    pub on_missing_token: Option<OnMissingToken>,
+}
+
+/// A default resource: sessions to `database` (and `user`, when set) are fenced on
+/// `resource` unless they name another one.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DefaultResource {
+    /// Database name the session connects to.
+    pub database: String,
+    /// User name; when not set the default applies to every user of the database.
+    pub user: Option<String>,
+    /// The resource.
+    pub resource: String,
+}
+
+impl Fence {
+    /// The default resource of a session, if any: a user-specific entry wins over a
+    /// database-wide one.
+    pub fn default_resource(&self, database: &str, user: &str) -> Option<&str> {
+        let mut found = None;
+        for d in self.defaults.iter().filter(|d| d.database == database) {
+            match &d.user {
+                Some(u) if u == user => return Some(&d.resource),
+                Some(_) => {}
+                None => found = found.or(Some(d.resource.as_str())),
+            }
+        }
+        found
+    }
+
+    /// Resources whose missing tokens are allowed; every other resource rejects.
+    ///
+    /// When the global policy is `allow`, the database check cannot know the resources a
+    /// session may name, so the list is `["*"]`, understood by the check as "every resource".
+    pub fn allow_missing(&self) -> Vec<String> {
+        if self.on_missing_token == OnMissingToken::Allow {
+            let rejecting = self
+                .resources
+                .values()
+                .any(|p| p.on_missing_token == Some(OnMissingToken::Reject));
+            if !rejecting {
+                return vec!["*".to_string()];
+            }
+        }
+        self.resources
+            .iter()
+            .filter(|(_, p)| {
+                p.on_missing_token.unwrap_or(self.on_missing_token) == OnMissingToken::Allow
+            })
+            .map(|(name, _)| name.clone())
+            .collect()
+    }
+}
+
+/// The admin console.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct Admin {
+    /// Users allowed to connect to the virtual database `pgfence`. They authenticate
+    /// against the upstream server with their own password. Default: none (console off).
+    pub users: Vec<String>,
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Logs and metrics.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct Telemetry {
+    /// Log format. Default `text`.
+    pub log_format: LogFormat,
+    /// Where to serve Prometheus metrics over HTTP (`/metrics`). Default: not served.
+    pub metrics_addr: Option<SocketAddr>,
+}
+
+/// A configuration that could not be read or is not valid.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("config file {path} is not valid: {source}")]
+    Parse {
+        path: String,
+        source: toml::de::Error,
+    },
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+impl Config {
+    /// Reads, parses and validates a TOML file.
+    pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let config: Config = toml::from_str(&text).map_err(|source| ConfigError::Parse {
+            path: path.display().to_string(),
+            source,
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks what types alone cannot.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |m: String| Err(ConfigError::Invalid(m));
+        if self.upstream.host.is_empty() {
+            return invalid("upstream.host is empty".into());
+        }
+        if self.upstream.port == 0 {
+            return invalid("upstream.port must not be 0".into());
+        }
+        if self.limits.max_client_connections == 0 {
+            return invalid("limits.max_client_connections must be at least 1".into());
+        }
+        if self.limits.max_message_size < 1024 {
+            return invalid("limits.max_message_size must be at least 1024 bytes".into());
+        }
+        for name in self.fence.resources.keys() {
+            if let Err(e) = Resource::parse(name.as_bytes()) {
+                return invalid(format!("fence.resources.{name}: {e}"));
+            }
+        }
+        for d in &self.fence.defaults {
+            if let Err(e) = Resource::parse(d.resource.as_bytes()) {
+                return invalid(format!(
+                    "fence.defaults (database {:?}): resource {:?}: {e}",
+                    d.database, d.resource
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,593 @@
+use super::StatementKind::*;
+use super::*;
+
+/// The kinds of the statements of `sql`.
+fn kinds(sql: &str) -> Vec<StatementKind> {
+    analyze(sql.as_bytes())
+        .statements
+        .iter()
+        .map(|s| s.kind)
+        .collect()
+}
+
+/// The kind of `sql`, which must be one statement.
+fn kind(sql: &str) -> StatementKind {
+    let k = kinds(sql);
+    assert_eq!(k.len(), 1, "{sql}: {k:?}");
+    k[0]
+}
+
+fn texts(sql: &str) -> Vec<&str> {
+    analyze(sql.as_bytes())
+        .statements
+        .iter()
+        .map(|s| &sql[s.start..s.end])
+        .collect()
+}
+
+#[track_caller]
+fn check(cases: &[(&str, StatementKind)]) {
+    for &(sql, expected) in cases {
+        assert_eq!(kind(sql), expected, "{sql}");
+    }
+}
+
+#[test]
+fn pgbench() {
+    check(&[
+        (
+            "SELECT abalance FROM pgbench_accounts WHERE aid = $1;",
+            ReadOnly,
+        ),
+        (
+            "UPDATE pgbench_accounts SET abalance = abalance + $1 WHERE aid = $2;",
+            MayWrite,
+        ),
+        (
+            "UPDATE pgbench_tellers SET tbalance = tbalance + 4 WHERE tid = 3",
+            MayWrite,
+        ),
+        (
+            "INSERT INTO pgbench_history (tid, bid, aid, delta, mtime) \
+             VALUES (1, 2, 3, 4, CURRENT_TIMESTAMP);",
+            MayWrite,
+        ),
+        ("BEGIN;", Begin),
+        ("END;", Commit),
+    ]);
+}
+
+#[test]
+fn transaction_control() {
+    check(&[
+        ("begin", Begin),
+        ("BEGIN WORK", Begin),
+        (
+            "BEGIN TRANSACTION ISOLATION LEVEL SERIALIZABLE, READ WRITE",
+            Begin,
+        ),
+        ("START TRANSACTION READ ONLY", Begin),
+        ("COMMIT", Commit),
+        ("commit work", Commit),
+        ("COMMIT AND CHAIN", Commit),
+        ("END TRANSACTION AND NO CHAIN", Commit),
+        ("ROLLBACK", Rollback),
+        ("ROLLBACK AND CHAIN", Rollback),
+        ("ABORT WORK", Rollback),
+        ("ROLLBACK TO SAVEPOINT s1", RollbackToSavepoint),
+        ("ROLLBACK TO s1", RollbackToSavepoint),
+        ("ROLLBACK WORK TO SAVEPOINT s1", RollbackToSavepoint),
+        ("rollback transaction to s1", RollbackToSavepoint),
+        ("SAVEPOINT s1", Savepoint),
+        ("RELEASE SAVEPOINT s1", Savepoint),
+        ("RELEASE s1", Savepoint),
+        ("PREPARE TRANSACTION 'gid-1'", PrepareTransaction),
+        ("COMMIT PREPARED 'gid-1'", NonTransactional),
+        ("ROLLBACK PREPARED 'gid-1'", NonTransactional),
+        ("START something", MayWrite),
+    ]);
+    assert!(Commit.ends_transaction() && PrepareTransaction.ends_transaction());
+    assert!(!Savepoint.ends_transaction() && Savepoint.is_tx_control());
+    assert!(!NonTransactional.is_tx_control() && NonTransactional.may_write());
+}
+
+#[test]
+fn read_only_selects() {
+    check(&[
+        ("SELECT 1", ReadOnly),
+        ("select count(*) from t", ReadOnly),
+        (
+            "SELECT COUNT(*), Max(a), pg_catalog.lower(b) FROM t GROUP BY c",
+            ReadOnly,
+        ),
+        ("SELECT \"count\"(*) FROM t", ReadOnly),
+        ("SELECT pg_catalog.\"lower\"(x) FROM t", ReadOnly),
+        (
+            "SELECT now(), current_timestamp(3), localtimestamp",
+            ReadOnly,
+        ),
+        ("VALUES (1, 'a'), (2, 'b')", ReadOnly),
+        ("TABLE accounts", ReadOnly),
+        ("(SELECT 1) UNION ALL (SELECT 2)", ReadOnly),
+        (
+            "SELECT a FROM t WHERE b IN (SELECT b FROM u) AND EXISTS (SELECT 1 FROM v) \
+             AND c = ANY ($1) AND d NOT IN (1, 2)",
+            ReadOnly,
+        ),
+        (
+            "SELECT CAST(a AS numeric(10, 2)), b::varchar(20), c::character varying(3), \
+             COALESCE(d, 0), NULLIF(e, ''), GREATEST(f, 1), EXTRACT(epoch FROM g), \
+             SUBSTRING(h FROM 1 FOR 2), TRIM(BOTH ' ' FROM i), POSITION('a' IN j), \
+             ROW(1, 2), ARRAY(SELECT 1), CASE WHEN (k) THEN 1 ELSE 2 END FROM t",
+            ReadOnly,
+        ),
+        (
+            "SELECT sum(x) OVER (PARTITION BY y ORDER BY z), count(*) FILTER (WHERE x > 0), \
+             percentile_cont(0.5) WITHIN GROUP (ORDER BY x) FROM t",
+            ReadOnly,
+        ),
+        (
+            "WITH a AS (SELECT 1 AS x), b(y) AS MATERIALIZED (SELECT 2), \
+             c AS NOT MATERIALIZED (SELECT 3) SELECT * FROM a, b, c",
+            ReadOnly,
+        ),
+        (
+            "WITH RECURSIVE t(n) AS (VALUES (1) UNION ALL SELECT n + 1 FROM t WHERE n < 9) \
+             SELECT sum(n) FROM t",
+            ReadOnly,
+        ),
+        (
+            "SELECT * FROM a LEFT JOIN (b JOIN c ON b.id = c.id) ON a.id = b.id \
+             JOIN d USING (id) WHERE a.name LIKE ('x%') OR a.name NOT ILIKE ('y')",
+            ReadOnly,
+        ),
+        ("SELECT * FROM (VALUES (1, 2)) AS v(a, b)", ReadOnly),
+        ("SELECT * FROM unnest($1::int[]) AS u(id)", ReadOnly),
+        ("SELECT * FROM generate_series(1, 10) AS g(i)", ReadOnly),
+        (
+            "SELECT x FROM t ORDER BY x FETCH FIRST (5) ROWS ONLY",
+            ReadOnly,
+        ),
+        (
+            "SELECT * FROM t TABLESAMPLE bernoulli (10) REPEATABLE (42)",
+            ReadOnly,
+        ),
+        ("SELECT a FROM t WHERE (a, b) OVERLAPS (c, d)", ReadOnly),
+        (
+            "SELECT timestamp '2024-01-01' AT TIME ZONE ('UTC')",
+            ReadOnly,
+        ),
+        (
+            "SELECT jsonb_build_object('a', 1) -> 'a', to_char(now(), 'YYYY')",
+            ReadOnly,
+        ),
+        ("SELECT left('abc', 2), right('abc', 1)", ReadOnly),
+        ("SELECT 'nextval(1)', \"setval\" FROM t", ReadOnly),
+        (
+            "SELECT a FROM t GROUP BY ROLLUP (a), GROUPING SETS ((a), ())",
+            ReadOnly,
+        ),
+        ("DECLARE c CURSOR WITH HOLD FOR SELECT * FROM t", ReadOnly),
+        ("SELECT $1, $2::text", ReadOnly),
+        ("SELECT * FROM t FOR", ReadOnly),
+    ]);
+}
+
+#[test]
+fn writing_selects() {
+    check(&[
+        ("SELECT my_func()", MayWrite),
+        ("SELECT nextval('seq')", MayWrite),
+        ("SELECT pg_catalog.nextval('seq')", MayWrite),
+        ("SELECT public.lower(x) FROM t", MayWrite),
+        ("SELECT \"MyFunc\"(1)", MayWrite),
+        ("SELECT \"COUNT\"(*) FROM t", MayWrite),
+        ("SELECT set_config('fencing.token', '5', false)", MayWrite),
+        ("SELECT txid_current()", MayWrite),
+        ("SELECT * FROM t FOR UPDATE", MayWrite),
+        ("SELECT * FROM t FOR NO KEY UPDATE SKIP LOCKED", MayWrite),
+        ("SELECT * FROM t FOR SHARE", MayWrite),
+        ("SELECT * FROM t FOR KEY SHARE OF t NOWAIT", MayWrite),
+        ("SELECT * FROM t /* c */ FOR /* c */ SHARE", MayWrite),
+        ("SELECT * INTO new_table FROM t", MayWrite),
+        ("SELECT 1into t", MayWrite),
+        (
+            "WITH d AS (DELETE FROM t RETURNING *) SELECT * FROM d",
+            MayWrite,
+        ),
+        (
+            "WITH i AS (INSERT INTO t VALUES (1) RETURNING id) SELECT id FROM i",
+            MayWrite,
+        ),
+        (
+            "WITH u AS (UPDATE t SET a = 1 RETURNING a) SELECT 1",
+            MayWrite,
+        ),
+        (
+            "WITH x AS (SELECT 1) MERGE INTO t USING x ON true WHEN MATCHED THEN DELETE",
+            MayWrite,
+        ),
+        ("WITH f(a) AS (SELECT 1) SELECT f(a) FROM f", MayWrite),
+        ("SELECT a, f(b) AS c FROM t", MayWrite),
+        ("SELECT a, f(b) AS materialized FROM t", MayWrite),
+        ("SELECT a, f(b) FROM t", MayWrite),
+        ("WITH x(a AS (SELECT 1) SELECT 1", MayWrite),
+        ("SELECT * FROM (SELECT 1) sub(a)", MayWrite),
+        ("SELECT * FROM t, LATERAL my_srf(t.id)", MayWrite),
+        ("SELECT * FROM ROWS FROM (my_srf(1))", MayWrite),
+        ("SELECT 1 OPERATOR(myschema.+) 2", MayWrite),
+        ("SELECT over(1)", MayWrite),
+        ("SELECT DISTINCT like(x) FROM t", MayWrite),
+        ("SELECT * FROM t WHERE NOT like(x)", MayWrite),
+        ("SELECT join(1)", MayWrite),
+        ("SELECT x FROM t, cube(1)", MayWrite),
+        ("SELECT * FROM t TABLESAMPLE my_method (1)", MayWrite),
+        ("SELECT system(1)", MayWrite),
+        ("SELECT a.b.c(1)", MayWrite),
+        ("VALUES (f())", MayWrite),
+        ("DECLARE c CURSOR FOR SELECT f()", MayWrite),
+        ("(SELECT f())", MayWrite),
+        ("SELECT update FROM t", MayWrite),
+    ]);
+}
+
+#[test]
+fn other_read_only_statements() {
+    check(&[
+        ("SHOW fencing.token", ReadOnly),
+        ("SET fencing.token = 34", ReadOnly),
+        ("SET LOCAL statement_timeout = '1s'", ReadOnly),
+        ("RESET ALL", ReadOnly),
+        ("LISTEN jobs", ReadOnly),
+        ("UNLISTEN *", ReadOnly),
+        ("CLOSE c", ReadOnly),
+        ("EXPLAIN SELECT * FROM t", ReadOnly),
+        ("EXPLAIN UPDATE t SET a = 1", ReadOnly),
+        ("EXPLAIN (COSTS OFF, FORMAT JSON) SELECT 1", ReadOnly),
+        ("EXPLAIN VERBOSE DELETE FROM t", ReadOnly),
+        ("EXPLAIN ANALYZE UPDATE t SET a = 1", MayWrite),
+        ("EXPLAIN (ANALYZE, BUFFERS) SELECT 1", MayWrite),
+        ("EXPLAIN (ANALYSE false) SELECT 1", MayWrite),
+        ("EXPLAIN SELECT my_func()", MayWrite),
+        ("EXPLAIN EXECUTE s(1)", MayWrite),
+        ("PREPARE q AS SELECT * FROM t WHERE id = $1", ReadOnly),
+        (
+            "PREPARE q(int, text) AS SELECT * FROM t WHERE id = $1",
+            ReadOnly,
+        ),
+        ("PREPARE q (int) AS UPDATE t SET a = $1", MayWrite),
+        ("PREPARE q AS SELECT f($1)", MayWrite),
+        ("PREPARE transaction AS SELECT 1", ReadOnly),
+        ("EXECUTE q(1)", MayWrite),
+        ("FETCH 10 FROM c", MayWrite),
+        ("MOVE NEXT IN c", MayWrite),
+        ("NOTIFY jobs, 'x'", MayWrite),
+        ("COPY t FROM STDIN", MayWrite),
+        ("COPY t TO STDOUT", MayWrite),
+        ("LOCK TABLE t", MayWrite),
+        ("ANALYZE t", MayWrite),
+        ("TRUNCATE t", MayWrite),
+        ("CREATE TABLE t (a int)", MayWrite),
+        ("CHECKPOINT", MayWrite),
+        ("DISCARD ALL", Discard),
+        ("DISCARD PLANS", Discard),
+        ("DISCARD TEMP", MayWrite),
+        ("DEALLOCATE ALL", Discard),
+        ("DEALLOCATE PREPARE q", Discard),
+    ]);
+}
+
+#[test]
+fn non_transactional() {
+    check(&[
+        ("VACUUM", NonTransactional),
+        ("VACUUM (VERBOSE, ANALYZE) t", NonTransactional),
+        ("CREATE DATABASE d", NonTransactional),
+        ("DROP DATABASE IF EXISTS d", NonTransactional),
+        ("CREATE TABLESPACE ts LOCATION '/x'", NonTransactional),
+        ("DROP TABLESPACE ts", NonTransactional),
+        ("ALTER SYSTEM SET work_mem = '64MB'", NonTransactional),
+        ("CREATE INDEX CONCURRENTLY i ON t (a)", NonTransactional),
+        (
+            "CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS i ON t (a)",
+            NonTransactional,
+        ),
+        ("CREATE INDEX i ON t (a)", MayWrite),
+        ("DROP INDEX CONCURRENTLY i", NonTransactional),
+        ("DROP INDEX i", MayWrite),
+        ("REINDEX INDEX CONCURRENTLY i", NonTransactional),
+        ("REINDEX (CONCURRENTLY) TABLE t", NonTransactional),
+        ("REINDEX DATABASE d", NonTransactional),
+        ("REINDEX (VERBOSE) SYSTEM d", NonTransactional),
+        ("REINDEX TABLE t", MayWrite),
+        ("CLUSTER", NonTransactional),
+        ("CLUSTER VERBOSE", NonTransactional),
+        ("CLUSTER (VERBOSE)", NonTransactional),
+        ("CLUSTER t USING i", MayWrite),
+        ("CALL my_proc(1)", NonTransactional),
+        (
+            "DO $$ BEGIN INSERT INTO t VALUES (1); COMMIT; END $$",
+            NonTransactional,
+        ),
+        ("ALTER DATABASE d SET TABLESPACE ts", NonTransactional),
+        ("ALTER DATABASE d SET work_mem = '1MB'", MayWrite),
+        (
+            "CREATE SUBSCRIPTION s CONNECTION 'x' PUBLICATION p",
+            NonTransactional,
+        ),
+        ("ALTER SUBSCRIPTION s REFRESH PUBLICATION", NonTransactional),
+        ("ALTER SUBSCRIPTION s DISABLE", MayWrite),
+        (
+            "ALTER TABLE p DETACH PARTITION c CONCURRENTLY",
+            NonTransactional,
+        ),
+        ("ALTER TABLE p ADD COLUMN a int", MayWrite),
+    ]);
+}
+
+#[test]
+fn splitting() {
+    let sql = "BEGIN; UPDATE t SET a = 1; COMMIT; SELECT 1";
+    assert_eq!(kinds(sql), vec![Begin, MayWrite, Commit, ReadOnly]);
+    assert_eq!(
+        texts(sql),
+        vec!["BEGIN", "UPDATE t SET a = 1", "COMMIT", "SELECT 1"]
+    );
+
+    // `;` and keywords inside comments, literals and identifiers do not count.
+    let sql = "SELECT 'a;COMMIT', \"b;COMMIT\", $$;COMMIT$$, E'\\';COMMIT' -- ;COMMIT\n\
+               /* ; COMMIT; /* nested; */ COMMIT; */ FROM t";
+    assert_eq!(kinds(sql), vec![ReadOnly]);
+
+    // Empty statements are dropped; ranges exclude `;` and white space.
+    let sql = " ; ;\n SELECT 1 ;;  -- bye\n";
+    assert_eq!(texts(sql), vec!["SELECT 1"]);
+
+    // A leading comment is part of its statement.
+    let sql = "/* fencing_token=1 */ UPDATE t SET a = 1; SELECT 2 /* trailing */";
+    assert_eq!(
+        texts(sql),
+        vec![
+            "/* fencing_token=1 */ UPDATE t SET a = 1",
+            "SELECT 2 /* trailing */"
+        ]
+    );
+
+    // Dollar-quoted DO body holds `;`.
+    let sql = "DO $body$ BEGIN INSERT INTO t VALUES (1); END $body$; COMMIT";
+    assert_eq!(kinds(sql), vec![NonTransactional, Commit]);
+
+    // No split inside parentheses (a rule action list).
+    let sql = "CREATE RULE r AS ON INSERT TO t DO ALSO (INSERT INTO u VALUES (1); \
+               INSERT INTO v VALUES (2)); COMMIT";
+    assert_eq!(kinds(sql), vec![MayWrite, Commit]);
+    // An unbalanced `)` does not prevent later splits.
+    assert_eq!(kinds("SELECT 1); COMMIT"), vec![ReadOnly, Commit]);
+}
+
+#[test]
+fn begin_atomic_bodies() {
+    let sql = "CREATE FUNCTION f() RETURNS int LANGUAGE sql BEGIN ATOMIC \
+               INSERT INTO t VALUES (1); SELECT CASE WHEN true THEN 1 END; END; COMMIT";
+    assert_eq!(kinds(sql), vec![MayWrite, Commit]);
+    let sql = "create or replace procedure p() begin atomic update t set a = 1; end; \
+               select 1";
+    assert_eq!(kinds(sql), vec![MayWrite, ReadOnly]);
+    // `begin` not followed by ATOMIC (here a function name) does not swallow the COMMIT.
+    let sql = "CREATE FUNCTION begin() RETURNS int AS 'select 1' LANGUAGE sql; COMMIT";
+    assert_eq!(kinds(sql), vec![MayWrite, Commit]);
+    // Outside routine definitions BEGIN ATOMIC means nothing.
+    assert_eq!(kinds("SELECT 1 AS begin; COMMIT"), vec![ReadOnly, Commit]);
+}
+
+#[test]
+fn empty_and_comments_only() {
+    for sql in [
+        "",
+        "   ",
+        ";",
+        " ; ; ",
+        "-- only a comment",
+        "/* a */ /* b */ ;",
+        "/* x",
+    ] {
+        let a = analyze(sql.as_bytes());
+        assert!(a.is_empty(), "{sql:?}");
+        assert!(!a.may_write() && !a.tx_control());
+    }
+}
+
+#[test]
+fn non_utf8() {
+    let sql = b"SELECT \xff\xfe FROM t\x80 WHERE a = '\xc3\x28'; UPDATE \xe9t\xe9 SET a = 1";
+    let a = analyze(sql);
+    let k: Vec<_> = a.statements.iter().map(|s| s.kind).collect();
+    assert_eq!(k, vec![ReadOnly, MayWrite]);
+    assert_eq!(a.statements[1].text(sql), b"UPDATE \xe9t\xe9 SET a = 1");
+    // A non-ASCII name followed by `(` is a call.
+    assert_eq!(analyze(b"SELECT f\xe9(1)").statements[0].kind, MayWrite);
+}
+
+#[test]
+fn directives_per_statement() {
+    let sql = b"BEGIN; /* fencing_token=3 fencing_resource=billing */ UPDATE t SET a = 1; \
+                COMMIT; UPDATE u SET b = 2 /*fencing_resource='jobs',fencing_token='4'*/; \
+                -- fencing_token=5\n";
+    let a = analyze(sql);
+    assert_eq!(a.directives.len(), 3);
+    let of: Vec<usize> = a
+        .statements
+        .iter()
+        .map(|s| a.directives_of(s).len())
+        .collect();
+    // The comment-only segment at the end goes to the statement before it.
+    assert_eq!(of, vec![0, 1, 0, 2]);
+    assert_eq!(
+        a.directives_of(&a.statements[1])[0].token.as_deref(),
+        Some(&b"3"[..])
+    );
+    assert_eq!(
+        a.directives_of(&a.statements[3])[0].resource.as_deref(),
+        Some(&b"jobs"[..])
+    );
+
+    // Before the first statement: to the first statement.
+    let a = analyze(b"/* fencing_token=1 */ ; /* fencing_token=2 */ UPDATE t SET a = 1");
+    assert_eq!(a.statements.len(), 1);
+    assert_eq!(a.directives_of(&a.statements[0]).len(), 2);
+
+    // Not in literals, quoted identifiers or dollar bodies.
+    for sql in [
+        &b"SELECT '/* fencing_token=1 */'"[..],
+        b"SELECT \"/* fencing_token=1 */\"",
+        b"DO $$ /* fencing_token=1 */ $$",
+        b"SELECT $x$ -- fencing_token=1\n $x$",
+    ] {
+        assert!(analyze(sql).directives.is_empty(), "{sql:?}");
+    }
+    // Nested comments.
+    let a = analyze(b"/* a /* b */ fencing_token=7 */ UPDATE t SET a = 1");
+    assert_eq!(a.directives[0].token.as_deref(), Some(&b"7"[..]));
+}
+
+#[test]
+fn mentions_fencing() {
+    for sql in [
+        "SET fencing.token = 5",
+        "SET \"fencing\".token = 5",
+        "RESET FENCING.TOKEN",
+        "SELECT set_config('fencing.token', '5', false)",
+        "SELECT set_config($1, $2, false)",
+        "SELECT $$fencing$$",
+        "SELECT E'fenc\\x69ng.token'",
+        "SET U&\"fenc\\0069ng\".token = 1",
+    ] {
+        assert!(analyze(sql.as_bytes()).mentions_fencing, "{sql}");
+    }
+    for sql in [
+        "SELECT 1 /* fencing_token=5 */",
+        "SET work_mem = '1MB'",
+        "SHOW fence",
+    ] {
+        assert!(!analyze(sql.as_bytes()).mentions_fencing, "{sql}");
+    }
+}
+
+#[test]
+fn analysis_helpers() {
+    let a = analyze(b"SELECT 1; UPDATE t SET a = 1");
+    assert!(a.may_write() && !a.tx_control() && !a.non_transactional());
+    let a = analyze(b"BEGIN; SELECT 1; COMMIT");
+    assert!(!a.may_write() && a.tx_control());
+    let a = analyze(b"DISCARD ALL");
+    assert!(a.discards() && !a.may_write());
+    assert!(analyze(b"VACUUM").non_transactional());
+}
+
+#[test]
+fn single_statement_does_not_allocate() {
+    let a = analyze(b"SELECT abalance FROM pgbench_accounts WHERE aid = $1");
+    assert_eq!(a.statements.all.capacity(), 0);
+    assert_eq!(a.directives.capacity(), 0);
+    assert_eq!(a.statements.len(), 1);
+}
+
+#[test]
+fn non_standard_strings() {
+    // With standard_conforming_strings off, `\'` escapes: the DELETE is a statement.
+    let sql = b"SELECT 'a\\''; DELETE FROM t; --'";
+    let opts = LexOptions {
+        standard_conforming_strings: false,
+    };
+    let k: Vec<_> = analyze_with(sql, opts)
+        .statements
+        .iter()
+        .map(|s| s.kind)
+        .collect();
+    assert_eq!(k, vec![ReadOnly, MayWrite]);
+    let k: Vec<_> = analyze(sql).statements.iter().map(|s| s.kind).collect();
+    assert_eq!(k, vec![ReadOnly]);
+}
+
+#[test]
+fn word_lists_are_lower_case_and_short() {
+    // Spot checks of what must and must not be on the allowlist.
+    for f in [
+        "count",
+        "lower",
+        "now",
+        "jsonb_build_object",
+        "generate_series",
+    ] {
+        assert!(words::is_allowed_function(f.as_bytes()), "{f}");
+    }
+    for f in [
+        "nextval",
+        "setval",
+        "currval",
+        "lastval",
+        "set_config",
+        "txid_current",
+        "pg_current_xact_id",
+        "pg_advisory_lock",
+        "pg_notify",
+        "lo_import",
+        "dblink_exec",
+        "pg_sleep",
+        "system",
+        "over",
+        "cube",
+    ] {
+        assert!(!words::is_allowed_function(f.as_bytes()), "{f}");
+    }
+    let long = "x".repeat(MAX_WORD_LEN + 1);
+    assert_eq!(lower(long.as_bytes(), &mut [0; MAX_WORD_LEN]), b"");
+    assert_eq!(lower(b"CoUnT", &mut [0; MAX_WORD_LEN]), b"count");
+}
+
+/// Random bytes never panic and statements stay ordered, inside the input, non-empty.
+#[test]
+fn random_bytes_never_panic() {
+    const ALPHABET: &[u8] = b"'\"$/*-;()\\ \nEUu&,.:abcfinorstw_\x80";
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let snippets: &[&[u8]] = &[
+        b"SELECT ",
+        b"with ",
+        b"begin atomic ",
+        b"create function ",
+        b" end",
+        b"count(",
+        b"fencing_token=1 ",
+        b"/* ",
+        b" */",
+        b" AS ",
+        b"$$",
+    ];
+    for _ in 0..20_000 {
+        let mut sql = Vec::new();
+        for _ in 0..next() % 24 {
+            let r = next();
+            if r & 3 == 0 {
+                sql.extend_from_slice(snippets[(r >> 8) as usize % snippets.len()]);
+            } else {
+                sql.push(ALPHABET[(r >> 8) as usize % ALPHABET.len()]);
+            }
+        }
+        let a = analyze(&sql);
+        let mut at = 0;
+        for s in a.statements.iter() {
+            assert!(
+                s.start >= at && s.start < s.end && s.end <= sql.len(),
+                "{sql:?}"
+            );
+            assert!(s.directives.end <= a.directives.len(), "{sql:?}");
+            at = s.end;
+        }
+    }
+}

@@ -1,0 +1,414 @@
+-- pgfence: the fencing schema in the upstream database.
+--
+-- Idempotent and upgradable: every object is created with IF NOT EXISTS or
+-- CREATE OR REPLACE, columns added by later versions use ADD COLUMN IF NOT EXISTS, and the
+-- whole script runs in one transaction serialised by an advisory lock, so two proxies
+-- starting at once (or `pgfence install` racing a proxy) cannot interleave.
+--
+-- Placeholders substituted by fence_core::sql::install_sql():
+--   __PGFENCE_SCHEMA_VERSION__  the schema version of this script
+--   __PGFENCE_GRANTEE__         the role granted EXECUTE/SELECT (PUBLIC or a quoted name)
+--
+-- The locking scheme of pgfence.check() is explained in docs/fence-locking.md and in the
+-- comment block inside the function.
+
+BEGIN;
+
+-- Re-running the script is normal: no "already exists, skipping" notices.
+SET LOCAL client_min_messages = warning;
+
+-- 'pgfence' as a big-endian integer: one install at a time per database.
+DO $lock$ BEGIN PERFORM pg_catalog.pg_advisory_xact_lock(31638886877651813); END $lock$;
+
+CREATE SCHEMA IF NOT EXISTS pgfence;
+
+-- One row per installation; refuses to downgrade a schema installed by a newer pgfence.
+CREATE TABLE IF NOT EXISTS pgfence.schema_version (
+    singleton    boolean     PRIMARY KEY DEFAULT true CHECK (singleton),
+    version      integer     NOT NULL,
+    installed_at timestamptz NOT NULL DEFAULT pg_catalog.now()
+);
+
+DO $version$
+DECLARE
+    v_installed integer;
+BEGIN
+    SELECT v.version INTO v_installed FROM pgfence.schema_version AS v;
+    IF v_installed > __PGFENCE_SCHEMA_VERSION__ THEN
+        RAISE EXCEPTION 'pgfence schema version % is installed, this pgfence installs version %',
+                v_installed, __PGFENCE_SCHEMA_VERSION__
+            USING HINT = 'Upgrade pgfence: a schema is never downgraded.';
+    END IF;
+END
+$version$;
+
+INSERT INTO pgfence.schema_version AS v (singleton, version, installed_at)
+VALUES (true, __PGFENCE_SCHEMA_VERSION__, pg_catalog.now())
+ON CONFLICT (singleton) DO UPDATE
+    SET version = excluded.version, installed_at = excluded.installed_at;
+
+COMMENT ON SCHEMA pgfence IS
+    'pgfence fencing state (schema version __PGFENCE_SCHEMA_VERSION__): fences, their history, the check function';
+
+-- The fence of each resource: the highest token accepted so far. Rows are never deleted
+-- and tokens never decrease (only pgfence.check writes here; the guard trigger below stops
+-- accidents by the owner too).
+CREATE TABLE IF NOT EXISTS pgfence.fences (
+    resource   text        PRIMARY KEY,
+    token      bigint      NOT NULL,
+    updated_at timestamptz NOT NULL
+);
+COMMENT ON TABLE pgfence.fences IS
+    'Highest fencing token accepted per resource. Written only by pgfence.check().';
+
+-- Append-only log of fence advances (including the first token of a resource).
+CREATE TABLE IF NOT EXISTS pgfence.history (
+    id             bigserial   PRIMARY KEY,
+    resource       text        NOT NULL,
+    previous_token bigint,
+    new_token      bigint      NOT NULL,
+    advanced_at    timestamptz NOT NULL DEFAULT pg_catalog.now(),
+    db_user        text        NOT NULL DEFAULT session_user,
+    client_addr    text
+);
+-- Columns added after schema version 1 go here, as ADD COLUMN IF NOT EXISTS.
+ALTER TABLE pgfence.history ADD COLUMN IF NOT EXISTS client_addr text;
+CREATE INDEX IF NOT EXISTS history_resource_idx ON pgfence.history (resource, id);
+COMMENT ON TABLE pgfence.history IS
+    'Append-only log of fence advances: previous_token is NULL for the first token of a resource.';
+
+-- Guards: fences never move backwards and are never deleted; history is never rewritten.
+-- (TRUNCATE, by the owner only, remains the deliberate way to reset a test database.)
+CREATE OR REPLACE FUNCTION pgfence.guard_fences() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $guard$
+BEGIN
+    IF TG_OP = 'DELETE' THEN
+        RAISE EXCEPTION 'pgfence fence rows are never deleted (resource "%")', OLD.resource;
+    END IF;
+    IF NEW.resource IS DISTINCT FROM OLD.resource OR NEW.token < OLD.token THEN
+        RAISE EXCEPTION 'pgfence fences never move backwards (resource "%": % to %)',
+                OLD.resource, OLD.token, NEW.token;
+    END IF;
+    RETURN NEW;
+END
+$guard$;
+
+CREATE OR REPLACE FUNCTION pgfence.guard_history() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $guard$
+BEGIN
+    RAISE EXCEPTION 'pgfence.history is append-only';
+END
+$guard$;
+
+DROP TRIGGER IF EXISTS fences_guard ON pgfence.fences;
+CREATE TRIGGER fences_guard BEFORE UPDATE OR DELETE ON pgfence.fences
+    FOR EACH ROW EXECUTE FUNCTION pgfence.guard_fences();
+DROP TRIGGER IF EXISTS history_guard ON pgfence.history;
+CREATE TRIGGER history_guard BEFORE UPDATE OR DELETE ON pgfence.history
+    FOR EACH ROW EXECUTE FUNCTION pgfence.guard_history();
+
+-- FN001, in one place: pgfence.check and pgfence.fast_reject must produce identical text
+-- (the proxy's Rust code produces and parses the same).
+CREATE OR REPLACE FUNCTION pgfence.raise_stale(p_resource text, p_token bigint, p_fence bigint)
+RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $stale$
+DECLARE
+    v_r text := pg_catalog.left(p_resource, 64);
+    v_f text := coalesce(p_fence::text, 'unknown');
+BEGIN
+    RAISE EXCEPTION USING
+        ERRCODE = 'FN001',
+        MESSAGE = pg_catalog.format(
+            'stale fencing token %s for resource "%s": token %s was already accepted',
+            p_token, v_r, v_f),
+        DETAIL = pg_catalog.format(
+            'A newer holder of the lease on "%s" has written with token %s. This transaction was rolled back and none of its writes were applied.',
+            v_r, v_f),
+        HINT = pg_catalog.format(
+            'This client is no longer the leader for "%s": stop writing, and re-acquire the lease to get a new token.',
+            v_r);
+END
+$stale$;
+
+CREATE OR REPLACE FUNCTION pgfence.check(
+    p_resources      text[],
+    p_tokens         text[],
+    p_default_resource text,
+    p_allow_missing  text[],
+    p_client         text,
+    p_force          boolean)
+RETURNS text
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $check$
+-- Runs inside the client's transaction right before it commits. Returns the accepted
+-- `resource=token` pairs (sorted, comma-separated) or NULL; rejects by raising FN001,
+-- FN002 or FN003, which aborts the transaction.
+--
+-- LOCKING (see docs/fence-locking.md). Invariant: for each resource, committed write
+-- transactions have non-decreasing tokens in commit order, and none commits with a token
+-- below the fence at its commit. Every accepting path ends holding a row lock on the
+-- resource's fence row until the transaction ends, after having compared the token with
+-- the value read under that lock:
+--   * same or older token (t <= value read):  SELECT ... FOR SHARE.  Share locks do not
+--     conflict with each other, so the current leader's concurrent transactions never queue
+--     behind each other; any number of them hold the row at once.
+--   * newer token (t > value read):            SELECT ... FOR NO KEY UPDATE, then UPDATE.
+--     NO KEY UPDATE conflicts with SHARE, so an advance waits until every in-flight
+--     transaction that accepted the old token has ended (they commit before the advance:
+--     their tokens precede it in commit order), and every transaction that locks after the
+--     advance sees the new value (READ COMMITTED re-reads the latest row version under the
+--     lock) and is rejected if older. Two advancers serialise on the row; the second
+--     re-reads the first one's value and is rejected, accepts, or advances further.
+--   * no row yet: INSERT ... ON CONFLICT DO NOTHING. The uniqueness check makes a racing
+--     inserter wait for us; if we lose, we re-read the committed row and go through the
+--     locked paths above.
+-- Each call takes exactly one lock mode per row, chosen from an unlocked read, and never
+-- upgrades SHARE to NO KEY UPDATE (two share holders both upgrading would deadlock).
+-- Rows are locked in sorted resource order, so multi-resource transactions cannot deadlock
+-- with each other on fence rows.
+-- Under REPEATABLE READ / SERIALIZABLE the unlocked read sees the transaction snapshot;
+-- if a newer fence was committed after it, the locking read (or ON CONFLICT against an
+-- invisible row) raises 40001 instead of returning the stale version: never a stale commit.
+-- No EXCEPTION blocks here: they would start a subtransaction on every call.
+DECLARE
+    v_r_s      text;             -- fencing.resource of the session
+    v_t_s      text;             -- fencing.token of the session
+    v_r0       text;             -- the session's effective resource
+    v_client   text;
+    v_n        integer;
+    v_idx      integer;
+    v_r        text;
+    v_t        text;
+    v_norm     text;
+    v_names    text[] := '{}';   -- resources in order of first appearance
+    v_raws     text[] := '{}';   -- raw token per resource (NULL = none given)
+    v_norms    text[] := '{}';   -- token without leading zeros, to compare for conflicts
+    v_sorted   text[] := '{}';   -- validated resources that carry a token, sorted
+    v_tokens   bigint[] := '{}'; -- their tokens
+    v_token    bigint;
+    v_seen     bigint;
+    v_locked   bigint;
+    v_accepted text[] := '{}';
+    v_found    boolean;
+BEGIN
+    -- The common case, on every transaction through the proxy: nothing written, nothing to do.
+    IF NOT coalesce(p_force, false)
+       AND pg_catalog.pg_current_xact_id_if_assigned() IS NULL THEN
+        RETURN NULL;
+    END IF;
+
+    v_r_s := nullif(pg_catalog.current_setting('fencing.resource', true), '');
+    v_t_s := nullif(pg_catalog.current_setting('fencing.token', true), '');
+    v_r0 := coalesce(v_r_s, p_default_resource);
+    v_client := coalesce(p_client, pg_catalog.host(pg_catalog.inet_client_addr()));
+
+    -- 1. Resolve each directive against the session, group by resource.
+    v_n := greatest(coalesce(pg_catalog.array_length(p_resources, 1), 0),
+                               coalesce(pg_catalog.array_length(p_tokens, 1), 0));
+    FOR i IN 1 .. v_n LOOP
+        v_r := coalesce(p_resources[i], v_r0);
+        v_t := coalesce(p_tokens[i], v_t_s);
+        CONTINUE WHEN v_r IS NULL AND v_t IS NULL;
+        IF v_r IS NULL THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'FN003',
+                MESSAGE = pg_catalog.format(
+                    'fencing token %s has no resource: set fencing.resource or add fencing_resource to the comment',
+                    pg_catalog.left(v_t, 64)),
+                DETAIL = 'This transaction was rolled back.',
+                HINT = 'Fencing tokens are integers from 0 to 9223372036854775807; resources are 1 to 63 characters from [A-Za-z0-9_.:-].';
+        END IF;
+        v_norm := CASE WHEN v_t ~ '^[0-9]+$'
+                       THEN coalesce(nullif(pg_catalog.ltrim(v_t, '0'), ''), '0')
+                       ELSE v_t END;
+        v_idx := pg_catalog.array_position(v_names, v_r);
+        IF v_idx IS NULL THEN
+            v_names := v_names || v_r;
+            v_raws := v_raws || v_t;
+            v_norms := v_norms || v_norm;
+        ELSIF v_raws[v_idx] IS NULL THEN
+            v_raws[v_idx] := v_t;
+            v_norms[v_idx] := v_norm;
+        ELSIF v_t IS NOT NULL AND v_norm IS DISTINCT FROM v_norms[v_idx] THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'FN003',
+                MESSAGE = pg_catalog.format(
+                    'conflicting fencing tokens %s and %s for resource "%s" in one transaction',
+                    pg_catalog.left(v_raws[v_idx], 64), pg_catalog.left(v_t, 64),
+                    pg_catalog.left(v_r, 64)),
+                DETAIL = 'This transaction was rolled back.',
+                HINT = 'A transaction belongs to one leader: use one token per resource.';
+        END IF;
+    END LOOP;
+
+    -- The session's own resource is fenced even when no comment named it.
+    IF v_r0 IS NOT NULL AND pg_catalog.array_position(v_names, v_r0) IS NULL THEN
+        v_names := v_names || v_r0;
+        v_raws := v_raws || v_t_s;
+        v_norms := v_norms || NULL::text;
+    ELSIF v_r0 IS NULL AND pg_catalog.array_length(v_names, 1) IS NULL AND v_t_s IS NOT NULL THEN
+        -- A session token with nowhere to apply would silently leave the writes unfenced.
+        RAISE EXCEPTION USING
+            ERRCODE = 'FN003',
+            MESSAGE = pg_catalog.format(
+                'fencing token %s has no resource: set fencing.resource or add fencing_resource to the comment',
+                pg_catalog.left(v_t_s, 64)),
+            DETAIL = 'This transaction was rolled back.',
+            HINT = 'Fencing tokens are integers from 0 to 9223372036854775807; resources are 1 to 63 characters from [A-Za-z0-9_.:-].';
+    END IF;
+
+    -- 2. Validate everything, in sorted order, before taking any lock.
+    FOR v_r, v_t IN
+        SELECT u.r, u.t FROM unnest(v_names, v_raws) AS u(r, t)
+        ORDER BY u.r COLLATE "C"
+    LOOP
+        IF v_r !~ '^[A-Za-z0-9_.:-]{1,63}$' THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'FN003',
+                MESSAGE = pg_catalog.format(
+                    'invalid fencing resource "%s": expected 1 to 63 characters from [A-Za-z0-9_.:-]',
+                    pg_catalog.left(v_r, 64)),
+                DETAIL = 'This transaction was rolled back.',
+                HINT = 'Fencing tokens are integers from 0 to 9223372036854775807; resources are 1 to 63 characters from [A-Za-z0-9_.:-].';
+        END IF;
+        IF v_t IS NULL THEN
+            CONTINUE WHEN v_r = ANY (p_allow_missing) OR '*' = ANY (p_allow_missing);
+            RAISE EXCEPTION USING
+                ERRCODE = 'FN002',
+                MESSAGE = pg_catalog.format(
+                    'missing fencing token for resource "%s": the transaction wrote without a token',
+                    v_r),
+                DETAIL = pg_catalog.format(
+                    'Resource "%s" requires a fencing token on every write transaction. This transaction was rolled back.',
+                    v_r),
+                HINT = 'Set fencing.token (options=-c fencing.token=N, or SET fencing.token = N), or add /* fencing_token=N */ to a statement of the transaction.';
+        END IF;
+        v_norm := coalesce(nullif(pg_catalog.ltrim(v_t, '0'), ''), '0');
+        IF v_t !~ '^[0-9]+$' OR pg_catalog.length(v_norm) > 19
+           OR (pg_catalog.length(v_norm) = 19 AND v_norm COLLATE "C" > '9223372036854775807') THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'FN003',
+                MESSAGE = pg_catalog.format(
+                    'invalid fencing token "%s" for resource "%s": expected an integer from 0 to 9223372036854775807',
+                    pg_catalog.left(v_t, 64), v_r),
+                DETAIL = 'This transaction was rolled back.',
+                HINT = 'Fencing tokens are integers from 0 to 9223372036854775807; resources are 1 to 63 characters from [A-Za-z0-9_.:-].';
+        END IF;
+        v_sorted := v_sorted || v_r;
+        v_tokens := v_tokens || v_norm::bigint;
+    END LOOP;
+
+    -- 3. Compare with the fences, in sorted order, under the locks described above.
+    FOR i IN 1 .. coalesce(pg_catalog.array_length(v_sorted, 1), 0) LOOP
+        v_r := v_sorted[i];
+        v_token := v_tokens[i];
+
+        SELECT f.token INTO v_seen FROM pgfence.fences AS f WHERE f.resource = v_r;
+        v_found := FOUND;
+        IF NOT v_found THEN
+            INSERT INTO pgfence.fences AS f (resource, token, updated_at)
+            VALUES (v_r, v_token, pg_catalog.clock_timestamp())
+            ON CONFLICT (resource) DO NOTHING;
+            IF FOUND THEN
+                -- We created the fence: the uncommitted row makes racing inserters wait.
+                INSERT INTO pgfence.history (resource, previous_token, new_token, advanced_at, client_addr)
+                VALUES (v_r, NULL, v_token, pg_catalog.clock_timestamp(), v_client);
+                v_accepted := v_accepted || (v_r || '=' || v_token::text);
+                CONTINUE;
+            END IF;
+            -- Lost the race (READ COMMITTED only: under REPEATABLE READ the ON CONFLICT
+            -- against a row invisible to our snapshot raised 40001). The winner committed.
+            SELECT f.token INTO v_seen FROM pgfence.fences AS f WHERE f.resource = v_r;
+            v_found := FOUND;
+        END IF;
+        IF NOT v_found THEN
+            -- Only possible if someone deleted a fence row behind pgfence's back.
+            RAISE EXCEPTION 'pgfence: the fence row of resource "%" changed concurrently', v_r
+                USING ERRCODE = '40001';
+        END IF;
+
+        IF v_token > v_seen THEN
+            SELECT f.token INTO v_locked FROM pgfence.fences AS f
+            WHERE f.resource = v_r FOR NO KEY UPDATE;
+            IF v_locked > v_token THEN
+                PERFORM pgfence.raise_stale(v_r, v_token, v_locked);
+            ELSIF v_locked < v_token THEN
+                UPDATE pgfence.fences AS f SET token = v_token, updated_at = pg_catalog.clock_timestamp()
+                WHERE f.resource = v_r;
+                INSERT INTO pgfence.history (resource, previous_token, new_token, advanced_at, client_addr)
+                VALUES (v_r, v_locked, v_token, pg_catalog.clock_timestamp(), v_client);
+            END IF;
+        ELSE
+            SELECT f.token INTO v_locked FROM pgfence.fences AS f
+            WHERE f.resource = v_r FOR SHARE;
+            IF v_locked > v_token THEN
+                PERFORM pgfence.raise_stale(v_r, v_token, v_locked);
+            ELSIF v_locked < v_token THEN
+                -- Fences never decrease, so this cannot happen; refuse rather than upgrade.
+                RAISE EXCEPTION 'pgfence: the fence of resource "%" moved backwards', v_r
+                    USING ERRCODE = '40001';
+            END IF;
+        END IF;
+        v_accepted := v_accepted || (v_r || '=' || v_token::text);
+    END LOOP;
+
+    IF pg_catalog.array_length(v_accepted, 1) IS NULL THEN
+        RETURN NULL;
+    END IF;
+    RETURN pg_catalog.array_to_string(v_accepted, ',');
+END
+$check$;
+
+COMMENT ON FUNCTION pgfence.check(text[], text[], text, text[], text, boolean) IS
+    'Checks the fencing tokens of the calling transaction right before it commits; returns the accepted resource=token pairs.';
+
+-- The proxy's fast path sends this instead of a statement known to be stale, so the server
+-- transaction fails exactly as the client is told. It never accepts anything.
+CREATE OR REPLACE FUNCTION pgfence.fast_reject(p_resource text, p_token bigint, p_known_fence bigint)
+RETURNS void
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fast$
+DECLARE
+    v_fence bigint;
+BEGIN
+    SELECT f.token INTO v_fence FROM pgfence.fences AS f WHERE f.resource = p_resource;
+    PERFORM pgfence.raise_stale(p_resource, p_token, greatest(p_known_fence, v_fence));
+    -- raise_stale always raises; make sure of it anyway.
+    RAISE EXCEPTION 'pgfence: fast_reject did not reject' USING ERRCODE = 'FN001';
+END
+$fast$;
+
+COMMENT ON FUNCTION pgfence.fast_reject(text, bigint, bigint) IS
+    'Always raises FN001: used by the proxy fast path for statements known to carry a stale token.';
+
+-- Privileges: nobody but the owner writes; the grantee reads and calls the two entry points.
+REVOKE ALL ON SCHEMA pgfence FROM PUBLIC;
+REVOKE ALL ON TABLE pgfence.fences, pgfence.history, pgfence.schema_version FROM PUBLIC;
+REVOKE ALL ON SEQUENCE pgfence.history_id_seq FROM PUBLIC;
+REVOKE ALL ON FUNCTION pgfence.check(text[], text[], text, text[], text, boolean),
+                       pgfence.fast_reject(text, bigint, bigint),
+                       pgfence.raise_stale(text, bigint, bigint),
+                       pgfence.guard_fences(),
+                       pgfence.guard_history()
+    FROM PUBLIC;
+
+GRANT USAGE ON SCHEMA pgfence TO __PGFENCE_GRANTEE__;
+GRANT EXECUTE ON FUNCTION pgfence.check(text[], text[], text, text[], text, boolean),
+                          pgfence.fast_reject(text, bigint, bigint)
+    TO __PGFENCE_GRANTEE__;
+GRANT SELECT ON TABLE pgfence.fences, pgfence.history, pgfence.schema_version
+    TO __PGFENCE_GRANTEE__;
+
+COMMIT;

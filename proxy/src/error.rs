@@ -1,0 +1,118 @@
+//! Session errors, and the one place that turns them into what the client sees.
+
+use std::io;
+
+use bytes::BytesMut;
+
+use crate::protocol::frame::FrameError;
+use crate::protocol::message::{error_response, ErrorMessage};
+use crate::protocol::startup::StartupError;
+
+/// Who failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    Client,
+    Server,
+    Proxy,
+}
+
+/// Why a session ended early.
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error("client connection failed: {0}")]
+    ClientIo(#[source] io::Error),
+    #[error("upstream connection failed: {0}")]
+    ServerIo(#[source] io::Error),
+    #[error("invalid startup packet: {0}")]
+    Startup(#[from] StartupError),
+    #[error("client sent an invalid message: {0}")]
+    ClientFrame(#[source] FrameError),
+    #[error("upstream sent an invalid message: {0}")]
+    ServerFrame(#[source] FrameError),
+    #[error("client sent unexpected message type {0:?}")]
+    UnexpectedClientMessage(char),
+    #[error("upstream sent unexpected message type {0:?}")]
+    UnexpectedServerMessage(char),
+    #[error("client sent a malformed {0} message")]
+    MalformedClientMessage(&'static str),
+    #[error("the client did not complete its startup packet within {0:?}")]
+    StartupTimeout(std::time::Duration),
+    #[error("pgfence could not connect to upstream {upstream}: {reason}")]
+    UpstreamConnect { upstream: String, reason: String },
+    #[error("sorry, too many clients already (limits.max_client_connections = {0})")]
+    TooManyClients(usize),
+    #[error("pgfence is shutting down")]
+    Shutdown,
+    #[error("the client sent data before pgfence answered its encryption request")]
+    EncryptionAfterStartup,
+}
+
+impl SessionError {
+    /// Who is at fault, for logs.
+    pub fn side(&self) -> Side {
+        match self {
+            SessionError::ClientIo(_)
+            | SessionError::Startup(_)
+            | SessionError::ClientFrame(_)
+            | SessionError::UnexpectedClientMessage(_)
+            | SessionError::MalformedClientMessage(_)
+            | SessionError::StartupTimeout(_)
+            | SessionError::EncryptionAfterStartup => Side::Client,
+            SessionError::ServerIo(_)
+            | SessionError::ServerFrame(_)
+            | SessionError::UnexpectedServerMessage(_)
+            | SessionError::UpstreamConnect { .. } => Side::Server,
+            SessionError::TooManyClients(_) | SessionError::Shutdown => Side::Proxy,
+        }
+    }
+
+    /// SQLSTATE the client is told.
+    fn sqlstate(&self) -> &'static str {
+        match self {
+            SessionError::TooManyClients(_) => "53300",
+            SessionError::Shutdown => "57P01",
+            SessionError::UpstreamConnect { .. } | SessionError::ServerIo(_) => "08006",
+            SessionError::Startup(_)
+            | SessionError::ClientFrame(_)
+            | SessionError::UnexpectedClientMessage(_)
+            | SessionError::MalformedClientMessage(_)
+            | SessionError::EncryptionAfterStartup
+            | SessionError::StartupTimeout(_) => "08P01",
+            SessionError::ClientIo(_)
+            | SessionError::ServerFrame(_)
+            | SessionError::UnexpectedServerMessage(_) => "XX000",
+        }
+    }
+
+    fn hint(&self) -> Option<&'static str> {
+        match self {
+            SessionError::UpstreamConnect { .. } => Some(
+                "Check that PostgreSQL is running and reachable at pgfence's --upstream address.",
+            ),
+            SessionError::ClientFrame(FrameError::TooLarge { .. }) => Some(
+                "Raise limits.max_message_size in pgfence's configuration if this is intended.",
+            ),
+            _ => None,
+        }
+    }
+
+    /// Whether the client connection can still take an error message.
+    pub fn client_can_hear(&self) -> bool {
+        !matches!(self, SessionError::ClientIo(_))
+    }
+
+    /// Appends the FATAL ErrorResponse that tells the client why its session ends.
+    pub fn to_client(&self, out: &mut BytesMut) {
+        let message = self.to_string();
+        error_response(
+            out,
+            &ErrorMessage {
+                severity: "FATAL",
+                code: self.sqlstate(),
+                message: &message,
+                detail: None,
+                hint: self.hint(),
+            },
+        );
+    }
+}

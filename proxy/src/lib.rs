@@ -1,0 +1,15 @@
+//! pgfence: a fencing-aware PostgreSQL proxy.
+//!
+//! [`run`] serves clients on an already-bound listener until a shutdown future completes;
+//! the `pgfence` binary is a thin wrapper around it (flags, signals, logging).
+#![forbid(unsafe_code)]
+
+pub mod cancel;
+pub mod error;
+pub mod install;
+pub mod protocol;
+mod server;
+mod session;
+pub mod state;
+
+pub use server::{run, run_with, ShutdownMode};

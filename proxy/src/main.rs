@@ -1,0 +1,207 @@
+//! The `pgfence` binary: flags, configuration, logging and signals around [`pgfence::run_with`].
+#![forbid(unsafe_code)]
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::{Parser, Subcommand};
+use pgfence::state::Shared;
+use pgfence::ShutdownMode;
+use pgfence_config::{Config, LogFormat};
+use tracing::{error, info};
+
+/// pgfence: a fencing-aware PostgreSQL proxy.
+///
+/// Point your application's connection string at pgfence instead of PostgreSQL. Writes whose
+/// fencing token is lower than one already accepted for their resource are rolled back
+/// (SQLSTATE FN001). Settings come from the config file, then PGFENCE_* environment
+/// variables, then these flags (highest precedence).
+#[derive(Debug, Parser)]
+#[command(name = "pgfence", version, about, long_about)]
+struct Cli {
+    /// TOML configuration file (see pgfence.example.toml). Optional.
+    #[arg(long, short = 'c', env = "PGFENCE_CONFIG", global = true)]
+    config: Option<PathBuf>,
+    /// Address to accept clients on [default: 127.0.0.1:6432].
+    #[arg(long, env = "PGFENCE_LISTEN", global = true)]
+    listen: Option<SocketAddr>,
+    /// Upstream PostgreSQL as HOST:PORT (or HOST, port 5432) [default: 127.0.0.1:5432].
+    #[arg(long, env = "PGFENCE_UPSTREAM", global = true)]
+    upstream: Option<String>,
+    /// Log format: text or json [default: text]. Filter with RUST_LOG (default: info).
+    #[arg(long, env = "PGFENCE_LOG_FORMAT", value_parser = parse_log_format, global = true)]
+    log_format: Option<LogFormat>,
+    /// Serve Prometheus metrics at http://ADDR/metrics [default: off].
+    #[arg(long, env = "PGFENCE_METRICS_ADDR", global = true)]
+    metrics_addr: Option<SocketAddr>,
+    /// Largest protocol message accepted, in bytes [default: 268435456].
+    #[arg(long, env = "PGFENCE_MAX_MESSAGE_SIZE", global = true)]
+    max_message_size: Option<u32>,
+    /// Run as a plain proxy without the fence (for comparisons).
+    #[arg(long, env = "PGFENCE_NO_FENCE", global = true)]
+    no_fence: bool,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Create or upgrade schema `pgfence` (fences, history, check function) in a database.
+    Install {
+        /// Database to install into.
+        #[arg(long, short = 'd', default_value = "postgres")]
+        database: String,
+        /// User to connect as (needs CREATE on the database).
+        #[arg(long, short = 'U', default_value = "postgres", env = "PGUSER")]
+        user: String,
+        /// Password, if the server asks for one.
+        #[arg(long, env = "PGPASSWORD", hide_env_values = true)]
+        password: Option<String>,
+        /// Role granted EXECUTE on the check function [default: PUBLIC].
+        #[arg(long)]
+        grant_to: Option<String>,
+    },
+}
+
+fn parse_log_format(s: &str) -> Result<LogFormat, String> {
+    match s {
+        "text" => Ok(LogFormat::Text),
+        "json" => Ok(LogFormat::Json),
+        other => Err(format!("unknown log format {other:?}: use text or json")),
+    }
+}
+
+fn load_config(cli: &Cli) -> Result<Config, String> {
+    let mut config = match &cli.config {
+        Some(path) => Config::from_file(path).map_err(|e| e.to_string())?,
+        None => Config::default(),
+    };
+    if let Some(listen) = cli.listen {
+        config.listen = listen;
+    }
+    if let Some(upstream) = &cli.upstream {
+        let (host, port) = split_host_port(upstream)?;
+        config.upstream.host = host;
+        config.upstream.port = port;
+    }
+    if let Some(format) = cli.log_format {
+        config.telemetry.log_format = format;
+    }
+    if let Some(addr) = cli.metrics_addr {
+        config.telemetry.metrics_addr = Some(addr);
+    }
+    if let Some(max) = cli.max_message_size {
+        config.limits.max_message_size = max;
+    }
+    if cli.no_fence {
+        config.fence.enabled = false;
+    }
+    config.validate().map_err(|e| e.to_string())?;
+    Ok(config)
+}
+
+/// `host:port`, `[v6]:port` or a bare host (port 5432).
+fn split_host_port(s: &str) -> Result<(String, u16), String> {
+    let bad = || format!("invalid --upstream {s:?}: expected HOST:PORT");
+    if let Some(rest) = s.strip_prefix('[') {
+        let (host, port) = rest.split_once("]:").ok_or_else(bad)?;
+        return Ok((host.to_string(), port.parse().map_err(|_| bad())?));
+    }
+    match s.rsplit_once(':') {
+        Some((host, port)) if !host.contains(':') => {
+            Ok((host.to_string(), port.parse().map_err(|_| bad())?))
+        }
+        _ => Ok((s.to_string(), 5432)),
+    }
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(true)
+            .init(),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let config = match load_config(&cli) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("pgfence: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    init_logging(config.telemetry.log_format);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("pgfence: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = match cli.command {
+        Some(Command::Install {
+            database,
+            user,
+            password,
+            grant_to,
+        }) => runtime.block_on(pgfence::install::install(
+            &config,
+            &database,
+            &user,
+            password.as_deref(),
+            grant_to.as_deref(),
+        )),
+        None => runtime.block_on(serve(config)),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            error!("{e}");
+            eprintln!("pgfence: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn serve(config: Config) -> Result<(), String> {
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
+    info!(listen = %config.listen, upstream = %config.upstream, fence = config.fence.enabled, "pgfence started");
+    let shared = Arc::new(Shared::new(Arc::new(config)));
+    pgfence::run_with(listener, shared, signals())
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// SIGINT drains, SIGTERM waits for clients (PgBouncer's meanings).
+async fn signals() -> ShutdownMode {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        std::future::pending::<()>().await;
+        unreachable!()
+    };
+    tokio::select! {
+        _ = term.recv() => { info!("SIGTERM: waiting for clients to disconnect"); ShutdownMode::WaitForClients }
+        _ = int.recv() => { info!("SIGINT: closing sessions as they become idle"); ShutdownMode::Drain }
+    }
+}

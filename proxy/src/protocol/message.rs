@@ -1,0 +1,341 @@
+//! Message tags as enums, and the handful of messages pgfence reads or writes itself.
+
+use bytes::{BufMut, BytesMut};
+
+/// Messages a client sends after startup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Frontend {
+    Query,
+    Parse,
+    Bind,
+    Describe,
+    Execute,
+    Close,
+    Sync,
+    Flush,
+    FunctionCall,
+    CopyData,
+    CopyDone,
+    CopyFail,
+    Terminate,
+    /// PasswordMessage, SASLInitialResponse, SASLResponse and GSSResponse share this tag.
+    Password,
+}
+
+impl Frontend {
+    /// The message type of a tag byte, or `None` for a tag a client may not send.
+    #[inline]
+    pub fn from_tag(tag: u8) -> Option<Frontend> {
+        Some(match tag {
+            b'Q' => Frontend::Query,
+            b'P' => Frontend::Parse,
+            b'B' => Frontend::Bind,
+            b'D' => Frontend::Describe,
+            b'E' => Frontend::Execute,
+            b'C' => Frontend::Close,
+            b'S' => Frontend::Sync,
+            b'H' => Frontend::Flush,
+            b'F' => Frontend::FunctionCall,
+            b'd' => Frontend::CopyData,
+            b'c' => Frontend::CopyDone,
+            b'f' => Frontend::CopyFail,
+            b'X' => Frontend::Terminate,
+            b'p' => Frontend::Password,
+            _ => return None,
+        })
+    }
+}
+
+/// Messages the server sends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Authentication,
+    BackendKeyData,
+    BindComplete,
+    CloseComplete,
+    CommandComplete,
+    CopyData,
+    CopyDone,
+    CopyInResponse,
+    CopyOutResponse,
+    CopyBothResponse,
+    DataRow,
+    EmptyQueryResponse,
+    ErrorResponse,
+    FunctionCallResponse,
+    NegotiateProtocolVersion,
+    NoData,
+    NoticeResponse,
+    NotificationResponse,
+    ParameterDescription,
+    ParameterStatus,
+    ParseComplete,
+    PortalSuspended,
+    ReadyForQuery,
+    RowDescription,
+}
+
+impl Backend {
+    /// The message type of a tag byte, or `None` for a tag PostgreSQL does not send.
+    #[inline]
+    pub fn from_tag(tag: u8) -> Option<Backend> {
+        Some(match tag {
+            b'R' => Backend::Authentication,
+            b'K' => Backend::BackendKeyData,
+            b'2' => Backend::BindComplete,
+            b'3' => Backend::CloseComplete,
+            b'C' => Backend::CommandComplete,
+            b'd' => Backend::CopyData,
+            b'c' => Backend::CopyDone,
+            b'G' => Backend::CopyInResponse,
+            b'H' => Backend::CopyOutResponse,
+            b'W' => Backend::CopyBothResponse,
+            b'D' => Backend::DataRow,
+            b'I' => Backend::EmptyQueryResponse,
+            b'E' => Backend::ErrorResponse,
+            b'V' => Backend::FunctionCallResponse,
+            b'v' => Backend::NegotiateProtocolVersion,
+            b'n' => Backend::NoData,
+            b'N' => Backend::NoticeResponse,
+            b'A' => Backend::NotificationResponse,
+            b't' => Backend::ParameterDescription,
+            b'S' => Backend::ParameterStatus,
+            b'1' => Backend::ParseComplete,
+            b's' => Backend::PortalSuspended,
+            b'Z' => Backend::ReadyForQuery,
+            b'T' => Backend::RowDescription,
+            _ => return None,
+        })
+    }
+}
+
+/// Splits a NUL-terminated string off the front of `buf`.
+#[inline]
+pub fn cstr(buf: &[u8]) -> Option<(&[u8], &[u8])> {
+    let end = buf.iter().position(|&b| b == 0)?;
+    Some((&buf[..end], &buf[end + 1..]))
+}
+
+/// The body of a frame (after tag and length).
+#[inline]
+pub fn body(frame: &[u8]) -> &[u8] {
+    &frame[5..]
+}
+
+/// SQL text of a Query message (without the terminating NUL), or `None` if malformed.
+pub fn query_text(frame: &[u8]) -> Option<&[u8]> {
+    cstr(body(frame)).map(|(sql, _)| sql)
+}
+
+/// `(statement name, SQL)` of a Parse message.
+pub fn parse_message(frame: &[u8]) -> Option<(&[u8], &[u8])> {
+    let (name, rest) = cstr(body(frame))?;
+    let (sql, _) = cstr(rest)?;
+    Some((name, sql))
+}
+
+/// `(portal name, statement name)` of a Bind message.
+pub fn bind_names(frame: &[u8]) -> Option<(&[u8], &[u8])> {
+    let (portal, rest) = cstr(body(frame))?;
+    let (statement, _) = cstr(rest)?;
+    Some((portal, statement))
+}
+
+/// `(kind, name)` of a Close or Describe message: kind `S` (statement) or `P` (portal).
+pub fn target(frame: &[u8]) -> Option<(u8, &[u8])> {
+    let b = body(frame);
+    let (&kind, rest) = b.split_first()?;
+    let (name, _) = cstr(rest)?;
+    Some((kind, name))
+}
+
+/// Portal name of an Execute message.
+pub fn execute_portal(frame: &[u8]) -> Option<&[u8]> {
+    cstr(body(frame)).map(|(p, _)| p)
+}
+
+/// Transaction status byte of a ReadyForQuery message (`I`, `T` or `E`).
+pub fn ready_status(frame: &[u8]) -> u8 {
+    frame.get(5).copied().unwrap_or(b'I')
+}
+
+/// Fields of an ErrorResponse or NoticeResponse worth reading.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ErrorFields<'a> {
+    pub severity: &'a [u8],
+    pub code: &'a [u8],
+    pub message: &'a [u8],
+}
+
+/// Reads severity, SQLSTATE and message of an ErrorResponse frame.
+pub fn error_fields(frame: &[u8]) -> ErrorFields<'_> {
+    let mut fields = ErrorFields::default();
+    let mut rest = body(frame);
+    while let Some((&kind, after)) = rest.split_first() {
+        if kind == 0 {
+            break;
+        }
+        let Some((value, next)) = cstr(after) else {
+            break;
+        };
+        match kind {
+            b'V' => fields.severity = value,
+            b'S' if fields.severity.is_empty() => fields.severity = value,
+            b'C' => fields.code = value,
+            b'M' => fields.message = value,
+            _ => {}
+        }
+        rest = next;
+    }
+    fields
+}
+
+/// Copies an ErrorResponse or NoticeResponse without its location fields: context (`W`),
+/// source file (`F`), line (`L`) and routine (`R`).
+pub fn without_location(frame: &[u8], out: &mut BytesMut) {
+    write_message(out, frame[0], |o| {
+        let mut rest = body(frame);
+        while let Some((&kind, after)) = rest.split_first() {
+            if kind == 0 {
+                break;
+            }
+            let Some((value, next)) = cstr(after) else {
+                break;
+            };
+            if !matches!(kind, b'W' | b'F' | b'L' | b'R') {
+                o.put_u8(kind);
+                put_cstr(o, value);
+            }
+            rest = next;
+        }
+        o.put_u8(0);
+    });
+}
+
+/// The first column of a DataRow as bytes, `None` when it is NULL or the row is malformed.
+pub fn first_column(frame: &[u8]) -> Option<&[u8]> {
+    let b = body(frame);
+    if b.len() < 6 || u16::from_be_bytes([b[0], b[1]]) == 0 {
+        return None;
+    }
+    let len = i32::from_be_bytes([b[2], b[3], b[4], b[5]]);
+    if len < 0 {
+        return None;
+    }
+    b.get(6..6 + len as usize)
+}
+
+/// Command tag of a CommandComplete message.
+pub fn command_tag(frame: &[u8]) -> &[u8] {
+    cstr(body(frame)).map(|(t, _)| t).unwrap_or_default()
+}
+
+/// Writes a message: tag, length, then whatever `fill` appends.
+#[inline]
+pub fn write_message(out: &mut BytesMut, tag: u8, fill: impl FnOnce(&mut BytesMut)) {
+    out.put_u8(tag);
+    let at = out.len();
+    out.put_u32(0);
+    fill(out);
+    let len = (out.len() - at) as u32;
+    out[at..at + 4].copy_from_slice(&len.to_be_bytes());
+}
+
+/// Appends a NUL-terminated string.
+#[inline]
+pub fn put_cstr(out: &mut BytesMut, s: &[u8]) {
+    out.put_slice(s);
+    out.put_u8(0);
+}
+
+/// What an ErrorResponse built by pgfence says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ErrorMessage<'a> {
+    /// `ERROR` or `FATAL`.
+    pub severity: &'a str,
+    pub code: &'a str,
+    pub message: &'a str,
+    pub detail: Option<&'a str>,
+    pub hint: Option<&'a str>,
+}
+
+/// Appends an ErrorResponse.
+pub fn error_response(out: &mut BytesMut, e: &ErrorMessage<'_>) {
+    write_message(out, b'E', |o| {
+        for (kind, value) in [
+            (b'S', Some(e.severity)),
+            (b'V', Some(e.severity)),
+            (b'C', Some(e.code)),
+            (b'M', Some(e.message)),
+            (b'D', e.detail),
+            (b'H', e.hint),
+        ] {
+            if let Some(v) = value {
+                o.put_u8(kind);
+                put_cstr(o, v.as_bytes());
+            }
+        }
+        o.put_u8(0);
+    });
+}
+
+/// Appends a ReadyForQuery with the given transaction status.
+pub fn ready_for_query(out: &mut BytesMut, status: u8) {
+    write_message(out, b'Z', |o| o.put_u8(status));
+}
+
+/// Appends a BackendKeyData.
+pub fn backend_key_data(out: &mut BytesMut, pid: i32, key: i32) {
+    write_message(out, b'K', |o| {
+        o.put_i32(pid);
+        o.put_i32(key);
+    });
+}
+
+/// Appends a Sync.
+pub fn sync(out: &mut BytesMut) {
+    write_message(out, b'S', |_| {});
+}
+
+/// Appends a Parse of a named statement with no parameter types given.
+pub fn parse(out: &mut BytesMut, name: &[u8], sql: &[u8]) {
+    write_message(out, b'P', |o| {
+        put_cstr(o, name);
+        put_cstr(o, sql);
+        o.put_u16(0);
+    });
+}
+
+/// Appends a Bind of `statement` into `portal` with text parameters (None = NULL) and a
+/// text-format result.
+pub fn bind_text(out: &mut BytesMut, portal: &[u8], statement: &[u8], params: &[Option<Vec<u8>>]) {
+    write_message(out, b'B', |o| {
+        put_cstr(o, portal);
+        put_cstr(o, statement);
+        o.put_u16(0);
+        o.put_u16(params.len() as u16);
+        for p in params {
+            match p {
+                Some(v) => {
+                    o.put_i32(v.len() as i32);
+                    o.put_slice(v);
+                }
+                None => o.put_i32(-1),
+            }
+        }
+        o.put_u16(0);
+    });
+}
+
+/// Appends an Execute of `portal` with no row limit.
+pub fn execute(out: &mut BytesMut, portal: &[u8]) {
+    write_message(out, b'E', |o| {
+        put_cstr(o, portal);
+        o.put_i32(0);
+    });
+}
+
+/// Appends a simple Query.
+pub fn query(out: &mut BytesMut, sql: &[u8]) {
+    write_message(out, b'Q', |o| put_cstr(o, sql));
+}

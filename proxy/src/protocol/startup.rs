@@ -1,0 +1,191 @@
+//! The untagged packets a client sends first: SSLRequest, GSSENCRequest, CancelRequest and
+//! StartupMessage.
+
+/// PostgreSQL caps startup packets at this size (`MAX_STARTUP_PACKET_LENGTH`).
+pub const MAX_STARTUP_PACKET: u32 = 10_000;
+const SSL_REQUEST: u32 = 80877103;
+const GSSENC_REQUEST: u32 = 80877104;
+const CANCEL_REQUEST: u32 = 80877102;
+
+/// One decoded startup-phase packet.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StartupPacket {
+    /// The client asks for TLS.
+    SslRequest,
+    /// The client asks for GSSAPI encryption.
+    GssEncRequest,
+    /// Cancel the query running on the session with this key.
+    Cancel { pid: i32, key: i32 },
+    /// Opens a session.
+    Startup(Startup),
+}
+
+/// A StartupMessage: protocol version and `name=value` parameters, as sent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Startup {
+    /// The requested version, `major << 16 | minor`. Any 3.x minor is passed on to the
+    /// server, which negotiates it.
+    pub version: u32,
+    /// Parameters in order, raw bytes (PostgreSQL does not require them to be UTF-8).
+    pub params: Vec<(Vec<u8>, Vec<u8>)>,
+}
+
+impl Startup {
+    /// A parameter's value.
+    pub fn param(&self, name: &str) -> Option<&[u8]> {
+        self.params
+            .iter()
+            .find(|(k, _)| k == name.as_bytes())
+            .map(|(_, v)| v.as_slice())
+    }
+
+    /// A parameter's value as text (lossy: for names, logs and config lookups only).
+    pub fn param_str(&self, name: &str) -> Option<String> {
+        self.param(name)
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+    }
+
+    /// The user name (required by PostgreSQL).
+    pub fn user(&self) -> String {
+        self.param_str("user").unwrap_or_default()
+    }
+
+    /// The database name; PostgreSQL defaults it to the user name.
+    pub fn database(&self) -> String {
+        self.param_str("database")
+            .filter(|d| !d.is_empty())
+            .unwrap_or_else(|| self.user())
+    }
+}
+
+/// Why a startup packet was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StartupError {
+    #[error("invalid startup packet length {0}: expected 8 to 10000 bytes")]
+    Length(i32),
+    #[error("unsupported frontend protocol {major}.{minor}: pgfence supports 3.0 and later 3.x")]
+    Version { major: u16, minor: u16 },
+    #[error("invalid startup packet layout: {0}")]
+    Layout(&'static str),
+}
+
+/// Decodes the startup packet at the start of `buf`: `Ok(None)` when incomplete, else the
+/// packet and the number of bytes it took.
+pub fn next_startup(buf: &[u8]) -> Result<Option<(StartupPacket, usize)>, StartupError> {
+    if buf.len() < 4 {
+        return Ok(None);
+    }
+    let length = u32::from_be_bytes([buf[0], buf[1], buf[2], buf[3]]);
+    if !(8..=MAX_STARTUP_PACKET).contains(&length) {
+        return Err(StartupError::Length(length as i32));
+    }
+    let total = length as usize;
+    if buf.len() < total {
+        return Ok(None);
+    }
+    let code = u32::from_be_bytes([buf[4], buf[5], buf[6], buf[7]]);
+    let payload = &buf[8..total];
+    let packet = match code {
+        SSL_REQUEST | GSSENC_REQUEST if total != 8 => {
+            return Err(StartupError::Layout("SSL/GSSENC request must be 8 bytes"))
+        }
+        SSL_REQUEST => StartupPacket::SslRequest,
+        GSSENC_REQUEST => StartupPacket::GssEncRequest,
+        CANCEL_REQUEST => {
+            if payload.len() != 8 {
+                return Err(StartupError::Layout("cancel request must be 16 bytes"));
+            }
+            StartupPacket::Cancel {
+                pid: i32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]),
+                key: i32::from_be_bytes([payload[4], payload[5], payload[6], payload[7]]),
+            }
+        }
+        _ => {
+            let (major, minor) = ((code >> 16) as u16, (code & 0xffff) as u16);
+            if major != 3 {
+                return Err(StartupError::Version { major, minor });
+            }
+            StartupPacket::Startup(Startup {
+                version: code,
+                params: parse_params(payload)?,
+            })
+        }
+    };
+    Ok(Some((packet, total)))
+}
+
+fn parse_params(mut rest: &[u8]) -> Result<Vec<(Vec<u8>, Vec<u8>)>, StartupError> {
+    let mut params = Vec::new();
+    loop {
+        let Some(end) = rest.iter().position(|&b| b == 0) else {
+            return Err(StartupError::Layout("parameters are not NUL-terminated"));
+        };
+        if end == 0 {
+            if rest.len() != 1 {
+                return Err(StartupError::Layout("bytes after the final terminator"));
+            }
+            break;
+        }
+        let name = rest[..end].to_vec();
+        rest = &rest[end + 1..];
+        let Some(vend) = rest.iter().position(|&b| b == 0) else {
+            return Err(StartupError::Layout(
+                "parameter value is not NUL-terminated",
+            ));
+        };
+        params.push((name, rest[..vend].to_vec()));
+        rest = &rest[vend + 1..];
+    }
+    if !params.iter().any(|(k, _)| k == b"user") {
+        return Err(StartupError::Layout(
+            "no PostgreSQL user name specified in startup packet",
+        ));
+    }
+    Ok(params)
+}
+
+/// Session settings given as `-c name=value` or `--name=value` in the `options` startup
+/// parameter, as libpq's `options=` passes them. Backslash escapes a space, as in
+/// PostgreSQL's own parsing.
+pub fn options_settings(options: &[u8]) -> Vec<(String, String)> {
+    let mut words = Vec::new();
+    let mut word = Vec::new();
+    let mut escaped = false;
+    for &b in options {
+        if escaped {
+            word.push(b);
+            escaped = false;
+        } else if b == b'\\' {
+            escaped = true;
+        } else if b.is_ascii_whitespace() {
+            if !word.is_empty() {
+                words.push(std::mem::take(&mut word));
+            }
+        } else {
+            word.push(b);
+        }
+    }
+    if !word.is_empty() {
+        words.push(word);
+    }
+    let mut settings = Vec::new();
+    let mut it = words.iter();
+    while let Some(w) = it.next() {
+        let setting = if w.as_slice() == b"-c" {
+            it.next().map(|s| s.as_slice())
+        } else if let Some(s) = w.strip_prefix(b"--") {
+            Some(s)
+        } else {
+            w.strip_prefix(b"-c")
+        };
+        if let Some(s) = setting {
+            if let Some(eq) = s.iter().position(|&b| b == b'=') {
+                let name = String::from_utf8_lossy(&s[..eq])
+                    .replace('-', "_")
+                    .to_lowercase();
+                settings.push((name, String::from_utf8_lossy(&s[eq + 1..]).into_owned()));
+            }
+        }
+    }
+    settings
+}

@@ -1,0 +1,194 @@
+//! Unit tests of framing and startup decoding on exact bytes, including hostile input.
+
+use super::frame::{next_frame, FrameError};
+use super::message::*;
+use super::startup::{next_startup, options_settings, StartupError, StartupPacket};
+use bytes::BytesMut;
+
+fn frame(tag: u8, body: &[u8]) -> Vec<u8> {
+    let mut v = vec![tag];
+    v.extend_from_slice(&((body.len() + 4) as u32).to_be_bytes());
+    v.extend_from_slice(body);
+    v
+}
+
+#[test]
+fn frames_are_split_by_length() {
+    let mut bytes = frame(b'Q', b"SELECT 1\0");
+    bytes.extend(frame(b'S', b""));
+    let (tag, len) = next_frame(&bytes, 1 << 20).unwrap().unwrap();
+    assert_eq!((tag, len), (b'Q', 14));
+    let (tag, len) = next_frame(&bytes[14..], 1 << 20).unwrap().unwrap();
+    assert_eq!((tag, len), (b'S', 5));
+}
+
+#[test]
+fn incomplete_frames_wait_for_more() {
+    let bytes = frame(b'Q', b"SELECT 1\0");
+    for cut in 0..bytes.len() {
+        assert_eq!(
+            next_frame(&bytes[..cut], 1 << 20).unwrap(),
+            None,
+            "cut at {cut}"
+        );
+    }
+}
+
+#[test]
+fn short_huge_and_negative_lengths_are_errors() {
+    assert_eq!(
+        next_frame(&[b'Q', 0, 0, 0, 3], 1 << 20),
+        Err(FrameError::TooShort {
+            tag: 'Q',
+            length: 3
+        })
+    );
+    assert!(matches!(
+        next_frame(&[b'Q', 0, 0x10, 0, 1], 1 << 20),
+        Err(FrameError::TooLarge { .. })
+    ));
+    assert!(matches!(
+        next_frame(&[b'Q', 0xff, 0xff, 0xff, 0xfe], 1 << 20),
+        Err(FrameError::TooLarge { .. })
+    ));
+}
+
+#[test]
+fn random_bytes_never_panic() {
+    let mut seed = 0x9e3779b97f4a7c15u64;
+    for _ in 0..20_000 {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        let len = (seed % 40) as usize;
+        let bytes: Vec<u8> = (0..len).map(|i| (seed >> (i % 8 * 8)) as u8).collect();
+        let _ = next_frame(&bytes, 1 << 20);
+        let _ = next_startup(&bytes);
+        let _ = error_fields(&bytes[..]);
+        if bytes.len() >= 5 {
+            let _ = query_text(&bytes);
+            let _ = parse_message(&bytes);
+            let _ = bind_names(&bytes);
+            let _ = target(&bytes);
+            let _ = first_column(&bytes);
+        }
+    }
+}
+
+fn startup_bytes(version: u32, params: &[(&str, &str)]) -> Vec<u8> {
+    let mut body = version.to_be_bytes().to_vec();
+    for (k, v) in params {
+        body.extend_from_slice(k.as_bytes());
+        body.push(0);
+        body.extend_from_slice(v.as_bytes());
+        body.push(0);
+    }
+    body.push(0);
+    let mut v = ((body.len() + 4) as u32).to_be_bytes().to_vec();
+    v.extend(body);
+    v
+}
+
+#[test]
+fn startup_message_is_decoded() {
+    let bytes = startup_bytes(196608, &[("user", "app"), ("database", "billing")]);
+    let (packet, n) = next_startup(&bytes).unwrap().unwrap();
+    assert_eq!(n, bytes.len());
+    let StartupPacket::Startup(s) = packet else {
+        panic!("not a startup message")
+    };
+    assert_eq!(s.user(), "app");
+    assert_eq!(s.database(), "billing");
+}
+
+#[test]
+fn special_requests_are_recognised() {
+    let ssl = [0, 0, 0, 8, 0x04, 0xd2, 0x16, 0x2f];
+    assert_eq!(
+        next_startup(&ssl).unwrap(),
+        Some((StartupPacket::SslRequest, 8))
+    );
+    let gss = [0, 0, 0, 8, 0x04, 0xd2, 0x16, 0x30];
+    assert_eq!(
+        next_startup(&gss).unwrap(),
+        Some((StartupPacket::GssEncRequest, 8))
+    );
+    let mut cancel = vec![0, 0, 0, 16, 0x04, 0xd2, 0x16, 0x2e];
+    cancel.extend_from_slice(&7i32.to_be_bytes());
+    cancel.extend_from_slice(&(-9i32).to_be_bytes());
+    assert_eq!(
+        next_startup(&cancel).unwrap(),
+        Some((StartupPacket::Cancel { pid: 7, key: -9 }, 16))
+    );
+}
+
+#[test]
+fn bad_startup_packets_are_errors() {
+    assert_eq!(
+        next_startup(&[0, 0, 0, 4, 0, 3, 0, 0]),
+        Err(StartupError::Length(4))
+    );
+    assert_eq!(
+        next_startup(&[0xff, 0xff, 0xff, 0xff]),
+        Err(StartupError::Length(-1))
+    );
+    assert!(matches!(
+        next_startup(b"GET / HTTP/1.1\r\n"),
+        Err(StartupError::Length(_))
+    ));
+    let v2 = startup_bytes(0x0002_0000, &[("user", "a")]);
+    assert_eq!(
+        next_startup(&v2),
+        Err(StartupError::Version { major: 2, minor: 0 })
+    );
+    let no_user = startup_bytes(196608, &[("database", "a")]);
+    assert!(matches!(
+        next_startup(&no_user),
+        Err(StartupError::Layout(_))
+    ));
+    let mut unterminated = startup_bytes(196608, &[("user", "a")]);
+    let last = unterminated.len() - 1;
+    unterminated[last] = b'x';
+    assert!(matches!(
+        next_startup(&unterminated),
+        Err(StartupError::Layout(_))
+    ));
+}
+
+#[test]
+fn options_settings_are_parsed_like_postgres() {
+    let s = options_settings(
+        b"-c fencing.token=34 --fencing.resource=billing -cwork_mem=1MB -c a=b\\ c",
+    );
+    assert_eq!(
+        s,
+        vec![
+            ("fencing.token".to_string(), "34".to_string()),
+            ("fencing.resource".to_string(), "billing".to_string()),
+            ("work_mem".to_string(), "1MB".to_string()),
+            ("a".to_string(), "b c".to_string()),
+        ]
+    );
+}
+
+#[test]
+fn built_messages_have_exact_bytes() {
+    let mut out = BytesMut::new();
+    ready_for_query(&mut out, b'T');
+    assert_eq!(&out[..], &[b'Z', 0, 0, 0, 5, b'T']);
+    out.clear();
+    error_response(
+        &mut out,
+        &ErrorMessage {
+            severity: "ERROR",
+            code: "FN001",
+            message: "m",
+            detail: None,
+            hint: None,
+        },
+    );
+    assert_eq!(&out[..], b"E\0\0\0\x1dSERROR\0VERROR\0CFN001\0Mm\0\0");
+    let fields = error_fields(&out);
+    assert_eq!(fields.code, b"FN001");
+    assert_eq!(fields.message, b"m");
+}

@@ -1,0 +1,380 @@
+//! Client messages in the Ready phase: forwarded byte for byte, inspected on the way, and
+//! where the fence needs it, preceded by or standing in for pgfence's own messages.
+
+use std::sync::Arc;
+
+use fence_core::classify::{analyze, StatementKind};
+
+use crate::error::SessionError;
+use crate::protocol::message::{self as msg, Frontend};
+use crate::state::Stats;
+
+use super::replies::{AfterCheck, QueryPlan, Request};
+use super::tx::View;
+use super::{Flow, Hold, Prepared, Session};
+
+impl Session {
+    pub(super) fn on_client_frame(&mut self, tag: u8, frame: &[u8]) -> Result<Flow, SessionError> {
+        let Some(kind) = Frontend::from_tag(tag) else {
+            return Err(SessionError::UnexpectedClientMessage(tag as char));
+        };
+        if let Some(status) = self.discard_until_sync {
+            // A failed precheck stands for this batch: the server never sees it.
+            if kind == Frontend::Sync {
+                self.discard_until_sync = None;
+                msg::ready_for_query(&mut self.to_client, status);
+            }
+            return Ok(Flow::Continue);
+        }
+        match kind {
+            Frontend::Query => return self.on_query(frame),
+            Frontend::Parse => self.on_parse(frame)?,
+            Frontend::Bind => return self.on_bind(frame),
+            Frontend::Execute => return self.on_execute(frame),
+            Frontend::Describe => self.forward(frame, Request::Describe),
+            Frontend::Close => self.on_close(frame)?,
+            Frontend::Sync => {
+                if self.fence.enabled && self.tx.sync_needs_check() {
+                    self.inject_check(false);
+                    self.tx.end();
+                }
+                self.tx.batch_has_execute = false;
+                self.forward(frame, Request::Sync);
+            }
+            Frontend::FunctionCall => {
+                self.tx.dirty = true;
+                self.forward(frame, Request::FunctionCall);
+            }
+            Frontend::Flush
+            | Frontend::CopyData
+            | Frontend::CopyDone
+            | Frontend::CopyFail
+            | Frontend::Password => self.to_server.extend_from_slice(frame),
+            Frontend::Terminate => {
+                self.to_server.extend_from_slice(frame);
+                return Ok(Flow::Terminate);
+            }
+        }
+        Ok(Flow::Continue)
+    }
+
+    #[inline]
+    fn forward(&mut self, frame: &[u8], request: Request) {
+        self.to_server.extend_from_slice(frame);
+        self.replies.push(request, super::replies::Origin::Client);
+    }
+
+    fn prepared(&mut self, sql: &[u8]) -> Arc<Prepared> {
+        let analysis = analyze(sql);
+        if analysis.mentions_fencing {
+            self.fence.forget_session_token();
+        }
+        Arc::new(Prepared {
+            sql: sql.into(),
+            analysis,
+        })
+    }
+
+    /// A held message comes back: `Some(true)` when pgfence's precheck passed, `Some(false)`
+    /// when it failed (and the message must be dropped), `None` when nothing was held.
+    fn take_hold(&mut self) -> Option<Result<(), u8>> {
+        match std::mem::replace(&mut self.hold, Hold::None) {
+            Hold::Passed => Some(Ok(())),
+            Hold::Failed(status) => Some(Err(status)),
+            Hold::None | Hold::Waiting => None,
+        }
+    }
+
+    /// Whether a statement that cannot run in a transaction block is checked on its own
+    /// first: only when nothing is open or in flight, else it runs (and fails, or runs as
+    /// part of the transaction) like any other statement and the commit check covers it.
+    fn precheck_possible(&self) -> bool {
+        self.fence.enabled && self.tx.view == View::Idle && !self.tx.batch_has_execute
+    }
+
+    fn on_query(&mut self, frame: &[u8]) -> Result<Flow, SessionError> {
+        let sql = msg::query_text(frame).ok_or(SessionError::MalformedClientMessage("Query"))?;
+        Stats::add(&self.shared.stats.queries);
+        let prepared = self.prepared(sql);
+        self.last_sql = Some(prepared.clone());
+        let analysis = &prepared.analysis;
+        if analysis
+            .statements
+            .iter()
+            .any(|s| s.kind == StatementKind::Discard)
+        {
+            self.fence.check_prepared = false;
+            self.fence.fast_reject_prepared = false;
+        }
+        if !self.fence.enabled {
+            if analysis.tx_control() {
+                self.tx.view = View::Unknown;
+            }
+            self.forward(frame, Request::Query);
+            return Ok(Flow::Continue);
+        }
+        let single = match &*analysis.statements {
+            [only] => Some(only.kind),
+            _ => None,
+        };
+        if single == Some(StatementKind::NonTransactional) {
+            match self.take_hold() {
+                Some(Ok(())) => {
+                    self.forward(frame, Request::Query);
+                    return Ok(Flow::Continue);
+                }
+                Some(Err(status)) => {
+                    msg::ready_for_query(&mut self.to_client, status);
+                    return Ok(Flow::Continue);
+                }
+                None if self.precheck_possible() && self.replies.is_empty() => {
+                    self.tx
+                        .directives
+                        .extend(analysis.directives.iter().cloned());
+                    self.inject_check_with_sync(true, AfterCheck::Release);
+                    self.hold = Hold::Waiting;
+                    return Ok(Flow::Hold);
+                }
+                None => {}
+            }
+        }
+        if self.fence.fast_path && analysis.may_write() {
+            if let Some((resource, token, fence)) =
+                self.fence.stale(&analysis.directives, &self.shared.fences)
+            {
+                return Ok(self.fast_reject_query(&prepared, resource, token, fence));
+            }
+        }
+        self.tx
+            .directives
+            .extend(analysis.directives.iter().cloned());
+        if matches!(
+            single,
+            Some(StatementKind::Commit | StatementKind::PrepareTransaction)
+        ) && self.tx.commit_needs_check()
+        {
+            // A lone COMMIT: check in its own Sync first, so that a rejection looks like a
+            // deferred constraint failing at COMMIT (error, then ReadyForQuery idle).
+            self.inject_check_with_sync(false, AfterCheck::Commit);
+            self.tx.end();
+            self.tx.view = View::Unknown;
+            self.forward(frame, Request::Query);
+            return Ok(Flow::Continue);
+        }
+        let plan = self.tx.plan_simple(analysis);
+        if plan.is_empty() {
+            self.forward(frame, Request::Query);
+            return Ok(Flow::Continue);
+        }
+        // Rewrite: the client's text with check statements where transactions end.
+        let mut text = Vec::with_capacity(sql.len() + 256);
+        let mut checks = Vec::with_capacity(plan.before.len() + 1);
+        let mut copied = 0;
+        for (n, &(offset, index)) in plan.before.iter().enumerate() {
+            text.extend_from_slice(&sql[copied..offset]);
+            self.check_literal(&mut text);
+            text.extend_from_slice(b";\n");
+            copied = offset;
+            checks.push(index + n);
+        }
+        text.extend_from_slice(&sql[copied..]);
+        if plan.at_end {
+            text.extend_from_slice(b"\n;");
+            self.check_literal(&mut text);
+            checks.push(analysis.statements.len() + plan.before.len());
+        }
+        Stats::add(&self.shared.stats.checks);
+        self.tx.directives.clear();
+        msg::query(&mut self.to_server, &text);
+        self.replies.push_query(QueryPlan {
+            checks,
+            done: 0,
+            fast_reject: false,
+        });
+        Ok(Flow::Continue)
+    }
+
+    /// A simple Query that would write with a known-stale token.
+    fn fast_reject_query(
+        &mut self,
+        prepared: &Prepared,
+        resource: fence_core::token::Resource,
+        token: fence_core::token::Token,
+        fence: i64,
+    ) -> Flow {
+        let rejection = fence_core::rejection::Rejection::stale(&resource, token, fence);
+        if self.tx.view == View::Idle && self.replies.is_empty() && !prepared.analysis.tx_control()
+        {
+            // Nothing open upstream: answer without a round trip.
+            self.report_rejection(&rejection, "fast");
+            msg::error_response(
+                &mut self.to_client,
+                &msg::ErrorMessage {
+                    severity: "ERROR",
+                    code: rejection.reason.sqlstate(),
+                    message: &rejection.message,
+                    detail: Some(&rejection.detail),
+                    hint: Some(&rejection.hint),
+                },
+            );
+            msg::ready_for_query(&mut self.to_client, b'I');
+            return Flow::Continue;
+        }
+        // A transaction is open: make it fail upstream exactly as the client is told.
+        let mut text = Vec::with_capacity(128);
+        fence_core::sql::fast_reject_literal(resource.as_str(), token.get(), fence, &mut text);
+        msg::query(&mut self.to_server, &text);
+        self.replies.push_query(QueryPlan {
+            checks: Vec::new(),
+            done: 0,
+            fast_reject: true,
+        });
+        Flow::Continue
+    }
+
+    fn on_parse(&mut self, frame: &[u8]) -> Result<(), SessionError> {
+        let (name, sql) =
+            msg::parse_message(frame).ok_or(SessionError::MalformedClientMessage("Parse"))?;
+        let prepared = self.prepared(sql);
+        if name.is_empty() {
+            self.unnamed_statement = Some(prepared);
+        } else {
+            self.statements.insert(name.into(), prepared);
+        }
+        self.forward(frame, Request::Parse);
+        Ok(())
+    }
+
+    fn statement(&self, name: &[u8]) -> Option<Arc<Prepared>> {
+        if name.is_empty() {
+            self.unnamed_statement.clone()
+        } else {
+            self.statements.get(name).cloned()
+        }
+    }
+
+    fn portal(&self, name: &[u8]) -> Option<Arc<Prepared>> {
+        if name.is_empty() {
+            self.unnamed_portal.clone()
+        } else {
+            self.portals.get(name).cloned()
+        }
+    }
+
+    fn on_bind(&mut self, frame: &[u8]) -> Result<Flow, SessionError> {
+        let (portal, statement) =
+            msg::bind_names(frame).ok_or(SessionError::MalformedClientMessage("Bind"))?;
+        let prepared = self.statement(statement);
+        let non_transactional = prepared.as_ref().is_some_and(|p| {
+            matches!(&*p.analysis.statements, [only] if only.kind == StatementKind::NonTransactional)
+        });
+        if non_transactional {
+            match self.take_hold() {
+                Some(Ok(())) => {}
+                Some(Err(status)) => {
+                    self.discard_until_sync = Some(status);
+                    return Ok(Flow::Continue);
+                }
+                None if self.precheck_possible() => {
+                    if let Some(p) = &prepared {
+                        self.tx
+                            .directives
+                            .extend(p.analysis.directives.iter().cloned());
+                    }
+                    self.inject_check_with_sync(true, AfterCheck::Release);
+                    self.hold = Hold::Waiting;
+                    return Ok(Flow::Hold);
+                }
+                None => {}
+            }
+        }
+        if portal.is_empty() {
+            self.unnamed_portal = prepared;
+        } else if let Some(p) = prepared {
+            self.portals.insert(portal.into(), p);
+        } else {
+            self.portals.remove(portal);
+        }
+        self.forward(frame, Request::Bind);
+        Ok(Flow::Continue)
+    }
+
+    fn on_execute(&mut self, frame: &[u8]) -> Result<Flow, SessionError> {
+        let portal =
+            msg::execute_portal(frame).ok_or(SessionError::MalformedClientMessage("Execute"))?;
+        let prepared = self.portal(portal);
+        Stats::add(&self.shared.stats.queries);
+        self.tx.batch_has_execute = true;
+        // A portal pgfence did not see bound is treated as one that may write.
+        let kind = prepared
+            .as_ref()
+            .and_then(|p| p.analysis.statements.first().map(|s| s.kind))
+            .unwrap_or(if prepared.is_some() {
+                StatementKind::Empty
+            } else {
+                StatementKind::MayWrite
+            });
+        if let Some(p) = &prepared {
+            self.last_sql = Some(p.clone());
+        }
+        if kind == StatementKind::Discard {
+            self.fence.check_prepared = false;
+            self.fence.fast_reject_prepared = false;
+        }
+        if !self.fence.enabled {
+            if matches!(
+                kind,
+                StatementKind::Begin
+                    | StatementKind::Commit
+                    | StatementKind::Rollback
+                    | StatementKind::PrepareTransaction
+            ) {
+                self.tx.view = View::Unknown;
+            }
+            self.forward(frame, Request::Execute);
+            return Ok(Flow::Continue);
+        }
+        if let Some(p) = &prepared {
+            if self.fence.fast_path && p.analysis.may_write() {
+                if let Some((resource, token, fence)) = self
+                    .fence
+                    .stale(&p.analysis.directives, &self.shared.fences)
+                {
+                    self.inject_fast_reject_execute(&resource, token, fence);
+                    return Ok(Flow::Continue);
+                }
+            }
+            self.tx
+                .directives
+                .extend(p.analysis.directives.iter().cloned());
+        }
+        if matches!(
+            kind,
+            StatementKind::Commit | StatementKind::PrepareTransaction
+        ) && self.tx.commit_needs_check()
+        {
+            self.inject_check(false);
+        }
+        self.tx.on_statement(kind);
+        self.forward(frame, Request::Execute);
+        Ok(Flow::Continue)
+    }
+
+    fn on_close(&mut self, frame: &[u8]) -> Result<(), SessionError> {
+        let (kind, name) =
+            msg::target(frame).ok_or(SessionError::MalformedClientMessage("Close"))?;
+        match (kind, name.is_empty()) {
+            (b'S', true) => self.unnamed_statement = None,
+            (b'S', false) => {
+                self.statements.remove(name);
+            }
+            (b'P', true) => self.unnamed_portal = None,
+            (b'P', false) => {
+                self.portals.remove(name);
+            }
+            _ => {}
+        }
+        self.forward(frame, Request::Close);
+        Ok(())
+    }
+}

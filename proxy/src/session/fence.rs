@@ -1,0 +1,290 @@
+//! The fence inside a session: what pgfence injects, the fast path, and rejection reports.
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::time::SystemTime;
+
+use fence_core::directive::Directive;
+use fence_core::rejection::Rejection;
+use fence_core::sql::{self, CheckArgs};
+use fence_core::token::{Resource, Token};
+use pgfence_config::Config;
+use tracing::{info, warn};
+
+use crate::protocol::message as msg;
+use crate::protocol::startup::{options_settings, Startup};
+use crate::state::{RejectionRecord, Stats};
+
+use super::replies::{AfterCheck, Injected, Origin, Request};
+use super::Session;
+
+/// pgfence's own prepared statement and portal names on the upstream connection.
+pub const CHECK_NAME: &[u8] = b"pgfence_check";
+pub const FAST_REJECT_NAME: &[u8] = b"pgfence_fast_reject";
+const FAST_REJECT_SQL: &[u8] = b"SELECT pgfence.fast_reject($1::text, $2::bigint, $3::bigint)";
+
+/// Fence settings of one session, fixed when it starts.
+#[derive(Debug)]
+pub struct FenceSettings {
+    pub enabled: bool,
+    pub fast_path: bool,
+    pub default_resource: Option<String>,
+    pub allow_missing: Vec<String>,
+    pub client: String,
+    /// Resource and token from the startup packet, while the session has sent nothing that
+    /// could change them (the fast path's knowledge of the session token).
+    pub session_resource: Option<Resource>,
+    pub session_token: Option<Token>,
+    /// pgfence's statements exist on the upstream connection.
+    pub check_prepared: bool,
+    pub fast_reject_prepared: bool,
+}
+
+impl FenceSettings {
+    pub fn new(
+        config: &Config,
+        startup: &Startup,
+        database: &str,
+        user: &str,
+        peer: SocketAddr,
+    ) -> FenceSettings {
+        let mut session_resource = None;
+        let mut session_token = None;
+        let mut settings: Vec<(String, String)> = startup
+            .params
+            .iter()
+            .filter(|(k, _)| k.starts_with(b"fencing."))
+            .map(|(k, v)| {
+                (
+                    String::from_utf8_lossy(k).into_owned(),
+                    String::from_utf8_lossy(v).into_owned(),
+                )
+            })
+            .collect();
+        if let Some(options) = startup.param("options") {
+            settings.extend(options_settings(options));
+        }
+        for (name, value) in settings {
+            match name.as_str() {
+                "fencing.resource" => session_resource = Resource::parse(value.as_bytes()).ok(),
+                "fencing.token" => session_token = Token::parse(value.as_bytes()).ok(),
+                _ => {}
+            }
+        }
+        FenceSettings {
+            enabled: config.fence.enabled,
+            fast_path: config.fence.fast_path,
+            default_resource: config
+                .fence
+                .default_resource(database, user)
+                .map(str::to_string),
+            allow_missing: config.fence.allow_missing(),
+            client: peer.to_string(),
+            session_resource,
+            session_token,
+            check_prepared: false,
+            fast_reject_prepared: false,
+        }
+    }
+
+    /// The session may have changed its fencing settings in a way pgfence cannot follow.
+    pub fn forget_session_token(&mut self) {
+        self.session_resource = None;
+        self.session_token = None;
+    }
+
+    /// A (resource, token, known fence) this statement would commit with that is already
+    /// known to be stale. Only values pgfence knows for sure count.
+    pub fn stale(
+        &self,
+        directives: &[Directive],
+        known: &crate::state::KnownFences,
+    ) -> Option<(Resource, Token, i64)> {
+        let check = |resource: Option<Resource>, token: Option<Token>| {
+            let (resource, token) = (resource?, token?);
+            let fence = known.get(resource.as_str())?;
+            (token.get() < fence).then_some((resource, token, fence))
+        };
+        for d in directives {
+            let resource = match &d.resource {
+                Some(r) => Resource::parse(r).ok(),
+                None => self.session_resource.clone(),
+            };
+            let token = match &d.token {
+                Some(t) => Token::parse(t).ok(),
+                None => self.session_token,
+            };
+            if let Some(found) = check(resource.clone(), token) {
+                return Some(found);
+            }
+        }
+        let overridden = directives.iter().any(|d| {
+            d.token.is_some()
+                && match (&d.resource, &self.session_resource) {
+                    (None, _) => true,
+                    (Some(r), Some(s)) => r.as_slice() == s.as_str().as_bytes(),
+                    _ => false,
+                }
+        });
+        if overridden {
+            return None;
+        }
+        check(self.session_resource.clone(), self.session_token)
+    }
+}
+
+impl Session {
+    fn check_args<'a>(&'a self, force: bool) -> CheckArgs<'a> {
+        CheckArgs {
+            directives: &self.tx.directives,
+            default_resource: self.fence.default_resource.as_deref(),
+            allow_missing: &self.fence.allow_missing,
+            client: &self.fence.client,
+            force,
+        }
+    }
+
+    fn prepare_check(&mut self) {
+        if !self.fence.check_prepared {
+            msg::parse(&mut self.to_server, CHECK_NAME, sql::CHECK_SQL.as_bytes());
+            self.replies
+                .push(Request::Parse, Origin::Injected(Injected::Prepare));
+            self.fence.check_prepared = true;
+        }
+    }
+
+    /// Injects the check (extended protocol messages) into the upstream stream, here.
+    pub(super) fn inject_check(&mut self, force: bool) {
+        self.prepare_check();
+        let params = sql::check_params(&self.check_args(force));
+        msg::bind_text(&mut self.to_server, CHECK_NAME, CHECK_NAME, &params);
+        self.replies
+            .push(Request::Bind, Origin::Injected(Injected::Check));
+        msg::execute(&mut self.to_server, CHECK_NAME);
+        self.replies
+            .push(Request::Execute, Origin::Injected(Injected::Check));
+        // Close the portal so a second check in the same transaction can bind it again.
+        msg::write_message(&mut self.to_server, b'C', |o| {
+            bytes::BufMut::put_u8(o, b'P');
+            msg::put_cstr(o, CHECK_NAME);
+        });
+        self.replies
+            .push(Request::Close, Origin::Injected(Injected::Check));
+        self.tx.directives.clear();
+        Stats::add(&self.shared.stats.checks);
+    }
+
+    /// Injects a check that runs to its own Sync.
+    pub(super) fn inject_check_with_sync(&mut self, force: bool, after: AfterCheck) {
+        self.inject_check(force);
+        msg::sync(&mut self.to_server);
+        self.replies
+            .push(Request::Sync, Origin::Injected(Injected::CheckSync(after)));
+    }
+
+    /// Appends the check as SQL text, for a rewritten simple Query.
+    pub(super) fn check_literal(&self, out: &mut Vec<u8>) {
+        sql::check_call_literal(&self.check_args(false), out);
+    }
+
+    /// Stands in for the client's Execute: runs pgfence's rejection function instead, so the
+    /// server-side transaction fails exactly as the client is told.
+    pub(super) fn inject_fast_reject_execute(
+        &mut self,
+        resource: &Resource,
+        token: Token,
+        fence: i64,
+    ) {
+        if !self.fence.fast_reject_prepared {
+            msg::parse(&mut self.to_server, FAST_REJECT_NAME, FAST_REJECT_SQL);
+            self.replies
+                .push(Request::Parse, Origin::Injected(Injected::Prepare));
+            self.fence.fast_reject_prepared = true;
+        }
+        let params = [
+            Some(resource.as_str().as_bytes().to_vec()),
+            Some(token.get().to_string().into_bytes()),
+            Some(fence.to_string().into_bytes()),
+        ];
+        msg::bind_text(&mut self.to_server, b"", FAST_REJECT_NAME, &params);
+        self.replies
+            .push(Request::Bind, Origin::Injected(Injected::FastReject));
+        msg::execute(&mut self.to_server, b"");
+        self.replies
+            .push(Request::Execute, Origin::Injected(Injected::FastReject));
+    }
+
+    /// Learns fences from a check's result (`resource=token,...`).
+    pub(super) fn observe_check_result(&self, value: &[u8]) {
+        for (resource, token) in sql::parse_check_result(value) {
+            let before = self.shared.fences.get(&resource);
+            self.shared.fences.observe(&resource, token);
+            if before.is_none_or(|b| b < token) {
+                info!(
+                    resource = %resource,
+                    previous = before.map(|b| b.to_string()).unwrap_or_else(|| "none".into()),
+                    new = token,
+                    client = %self.client_addr,
+                    "fence advanced"
+                );
+            }
+        }
+    }
+
+    /// Reports a rejection once: log event, metrics, `SHOW REJECTIONS`; learns the fence.
+    pub(super) fn report_rejection(&self, rejection: &Rejection, path: &'static str) {
+        if let (Some(resource), Some(fence)) = (&rejection.resource, rejection.fence) {
+            self.shared.fences.observe(resource, fence);
+        }
+        let statement = self
+            .last_sql
+            .as_ref()
+            .map(|p| truncate_chars(&String::from_utf8_lossy(&p.sql), 200))
+            .unwrap_or_default();
+        let resource = rejection.resource.clone().unwrap_or_default();
+        let token = rejection.token.clone().unwrap_or_default();
+        warn!(
+            resource = %resource,
+            token = %token,
+            fence = rejection.fence,
+            reason = rejection.reason.as_str(),
+            path,
+            client_addr = %self.client_addr,
+            user = %self.user,
+            database = %self.database,
+            application_name = %self.application_name,
+            backend_pid = self.backend_pid,
+            statement = %statement,
+            "fence rejected"
+        );
+        self.shared.stats.rejections.fetch_add(1, Ordering::Relaxed);
+        if path == "fast" {
+            self.shared
+                .stats
+                .fast_rejections
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        self.shared.remember_rejection(RejectionRecord {
+            at: SystemTime::now(),
+            resource,
+            token,
+            fence: rejection.fence,
+            reason: rejection.reason.as_str(),
+            path,
+            client_addr: self.client_addr.clone(),
+            user: self.user.clone(),
+            database: self.database.clone(),
+            application_name: self.application_name.clone(),
+            backend_pid: self.backend_pid,
+            statement,
+        });
+    }
+}
+
+/// The first `max` characters of `s`.
+pub fn truncate_chars(s: &str, max: usize) -> String {
+    match s.char_indices().nth(max) {
+        Some((i, _)) => s[..i].to_string(),
+        None => s.to_string(),
+    }
+}

@@ -1,0 +1,536 @@
+//! One client session: startup, authentication passed through, then the forwarding loop.
+//!
+//! One task per client, one upstream connection per client (session mode), one `select!`
+//! loop that reads both sides and writes both sides without ever blocking one direction on
+//! the other. Client messages are inspected in [`client`], server replies in [`server`];
+//! [`replies`] keeps the queue of replies the server still owes and [`tx`] what pgfence knows
+//! of the server-side transaction.
+
+mod client;
+mod fence;
+pub mod replies;
+mod server;
+pub mod tx;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use bytes::{Buf, BytesMut};
+use fence_core::classify::Analysis;
+use pgfence_config::Config;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info_span, warn, Instrument};
+
+use crate::cancel::{self, CancelTarget};
+use crate::error::SessionError;
+use crate::protocol::next_frame;
+use crate::protocol::startup::{next_startup, Startup, StartupPacket};
+use crate::state::{ClientInfo, Shared};
+
+use self::fence::FenceSettings;
+use self::replies::Replies;
+use self::tx::TxState;
+
+/// Output buffered for one side beyond which pgfence stops reading the other side.
+const HIGH_WATER: usize = 1 << 20;
+/// Read buffer growth step.
+const READ_CHUNK: usize = 16 * 1024;
+
+/// A statement the client prepared, or the one behind a portal.
+#[derive(Debug)]
+pub(crate) struct Prepared {
+    pub sql: Box<[u8]>,
+    pub analysis: Analysis,
+}
+
+/// Where the session is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Authentication messages are relayed until the first ReadyForQuery.
+    Auth,
+    /// Normal traffic.
+    Ready,
+}
+
+/// A client message held back until pgfence's own check is answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Hold {
+    None,
+    /// The check is in flight: do not read client messages.
+    Waiting,
+    /// The check passed: send the held message.
+    Passed,
+    /// The check failed (the error was forwarded): drop the held message; the client gets a
+    /// ReadyForQuery with this status.
+    Failed(u8),
+}
+
+/// What to do after a client message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Flow {
+    Continue,
+    /// Stop here and keep this message until the hold is released.
+    Hold,
+    /// The client said goodbye.
+    Terminate,
+}
+
+/// How the server tells sessions to stop.
+#[derive(Debug, Clone)]
+pub(crate) struct Stop {
+    /// Close at the next idle moment (no transaction open, nothing in flight).
+    pub drain: CancellationToken,
+    /// Close now.
+    pub kill: CancellationToken,
+}
+
+/// Serves one client connection to its end.
+pub(crate) async fn serve(client: TcpStream, peer: SocketAddr, shared: Arc<Shared>, stop: Stop) {
+    let id = shared.next_client_id();
+    let span = info_span!("session", id, client = %peer);
+    async move {
+        debug!("client connected");
+        let _active = shared.enter();
+        let outcome = run_session(client, peer, id, &shared, &stop).await;
+        shared.clients.remove(&id);
+        match outcome {
+            Ok(()) => debug!("client disconnected"),
+            Err(e) => {
+                if matches!(e.side(), crate::error::Side::Server) {
+                    crate::state::Stats::add(&shared.stats.upstream_errors);
+                }
+                debug!(error = %e, side = ?e.side(), "session ended with an error");
+            }
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+async fn run_session(
+    mut client: TcpStream,
+    peer: SocketAddr,
+    id: u64,
+    shared: &Arc<Shared>,
+    stop: &Stop,
+) -> Result<(), SessionError> {
+    let config = shared.config();
+    let _ = client.set_nodelay(true);
+    let mut cbuf = BytesMut::with_capacity(READ_CHUNK);
+    let startup = tokio::select! {
+        r = tokio::time::timeout(config.limits.startup_timeout, read_startup(&mut client, &mut cbuf)) => match r {
+            Ok(r) => r,
+            Err(_) => Err(SessionError::StartupTimeout(config.limits.startup_timeout)),
+        },
+        _ = stop.drain.cancelled() => Err(SessionError::Shutdown),
+    };
+    let (startup, packet_len) = match startup {
+        Ok(Opening::Startup(s, n)) => (s, n),
+        Ok(Opening::Closed) => return Ok(()),
+        Ok(Opening::Cancel { pid, key }) => {
+            match shared.cancel.lookup(pid, key) {
+                Some(target) => {
+                    debug!(backend_pid = target.pid, "forwarding cancel request");
+                    if let Err(e) = cancel::send_cancel(target).await {
+                        warn!(error = %e, "cannot forward cancel request to upstream");
+                    }
+                }
+                None => debug!("cancel request with an unknown key ignored"),
+            }
+            return Ok(());
+        }
+        Err(e) => return tell_client(&mut client, e).await,
+    };
+    if let Some(limit) = shared.too_many_clients(&config) {
+        return tell_client(&mut client, SessionError::TooManyClients(limit)).await;
+    }
+    let upstream_name = config.upstream.to_string();
+    let server = match connect_upstream(&config).await {
+        Ok(s) => s,
+        Err(reason) => {
+            crate::state::Stats::add(&shared.stats.upstream_errors);
+            warn!(upstream = %upstream_name, %reason, "cannot connect to upstream");
+            return tell_client(
+                &mut client,
+                SessionError::UpstreamConnect {
+                    upstream: upstream_name,
+                    reason,
+                },
+            )
+            .await;
+        }
+    };
+    let upstream_addr = server.peer_addr().map_err(SessionError::ServerIo)?;
+    let mut session = Session::new(shared.clone(), config, id, peer, &startup, upstream_addr);
+    // The startup packet goes upstream exactly as the client sent it.
+    session.to_server.extend_from_slice(&cbuf[..packet_len]);
+    cbuf.advance(packet_len);
+    crate::state::Stats::add(&shared.stats.clients_total);
+    let result = session.run(client, server, cbuf, stop).await;
+    session.finish();
+    result
+}
+
+/// Sends a FATAL error to a client whose session cannot start, then closes.
+async fn tell_client(client: &mut TcpStream, e: SessionError) -> Result<(), SessionError> {
+    let mut out = BytesMut::new();
+    e.to_client(&mut out);
+    let _ = client.write_all(&out).await;
+    let _ = client.shutdown().await;
+    Err(e)
+}
+
+async fn connect_upstream(config: &Config) -> Result<TcpStream, String> {
+    let target = (config.upstream.host.as_str(), config.upstream.port);
+    match tokio::time::timeout(config.limits.connect_timeout, TcpStream::connect(target)).await {
+        Ok(Ok(s)) => {
+            let _ = s.set_nodelay(true);
+            Ok(s)
+        }
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!(
+            "timed out after {:?}",
+            config.limits.connect_timeout
+        )),
+    }
+}
+
+/// How a connection opened.
+enum Opening {
+    Startup(Startup, usize),
+    Cancel { pid: i32, key: i32 },
+    Closed,
+}
+
+/// Reads startup packets until a StartupMessage or a CancelRequest, declining TLS and GSS
+/// encryption (`N`) on the way.
+async fn read_startup(client: &mut TcpStream, buf: &mut BytesMut) -> Result<Opening, SessionError> {
+    loop {
+        match next_startup(buf)? {
+            Some((StartupPacket::SslRequest | StartupPacket::GssEncRequest, n)) => {
+                buf.advance(n);
+                if !buf.is_empty() {
+                    // Bytes after an encryption request, before our answer: a client that
+                    // did not wait (or an attack on the plaintext downgrade).
+                    return Err(SessionError::EncryptionAfterStartup);
+                }
+                client
+                    .write_all(b"N")
+                    .await
+                    .map_err(SessionError::ClientIo)?;
+                continue;
+            }
+            Some((StartupPacket::Cancel { pid, key }, _)) => {
+                return Ok(Opening::Cancel { pid, key })
+            }
+            Some((StartupPacket::Startup(s), n)) => return Ok(Opening::Startup(s, n)),
+            None => {}
+        }
+        buf.reserve(READ_CHUNK);
+        let n = client.read_buf(buf).await.map_err(SessionError::ClientIo)?;
+        if n == 0 {
+            return Ok(Opening::Closed);
+        }
+    }
+}
+
+/// The state of one client session.
+pub(crate) struct Session {
+    shared: Arc<Shared>,
+    id: u64,
+    phase: Phase,
+    /// Who is connected, for logs, rejections and `SHOW CLIENTS`.
+    client_addr: String,
+    user: String,
+    database: String,
+    application_name: String,
+    upstream: SocketAddr,
+    /// The upstream backend's real pid (0 until BackendKeyData).
+    backend_pid: i32,
+    /// The key pgfence gave the client, registered for cancel routing.
+    client_key: Option<(i32, i32)>,
+    max_message: u32,
+    to_server: BytesMut,
+    to_client: BytesMut,
+    replies: Replies,
+    tx: TxState,
+    fence: FenceSettings,
+    statements: HashMap<Box<[u8]>, Arc<Prepared>>,
+    unnamed_statement: Option<Arc<Prepared>>,
+    portals: HashMap<Box<[u8]>, Arc<Prepared>>,
+    unnamed_portal: Option<Arc<Prepared>>,
+    hold: Hold,
+    /// After a failed precheck of an extended-protocol batch: drop client messages up to
+    /// the Sync, answer it with ReadyForQuery of this status.
+    discard_until_sync: Option<u8>,
+    /// An injected check failed and its error was forwarded: the client's COMMIT that
+    /// follows reports `ROLLBACK`, which the client must not see.
+    check_failed: bool,
+    /// The latest statement text the client sent, for rejection logs.
+    last_sql: Option<Arc<Prepared>>,
+}
+
+impl Session {
+    fn new(
+        shared: Arc<Shared>,
+        config: Arc<Config>,
+        id: u64,
+        peer: SocketAddr,
+        startup: &Startup,
+        upstream: SocketAddr,
+    ) -> Session {
+        let user = startup.user();
+        let database = startup.database();
+        let application_name = startup.param_str("application_name").unwrap_or_default();
+        let fence = FenceSettings::new(&config, startup, &database, &user, peer);
+        Session {
+            max_message: config.limits.max_message_size,
+            tx: TxState::new(!config.fence.skip_read_only),
+            shared,
+            id,
+            phase: Phase::Auth,
+            client_addr: peer.to_string(),
+            user,
+            database,
+            application_name,
+            upstream,
+            backend_pid: 0,
+            client_key: None,
+            to_server: BytesMut::with_capacity(READ_CHUNK),
+            to_client: BytesMut::with_capacity(READ_CHUNK),
+            replies: Replies::default(),
+            fence,
+            statements: HashMap::new(),
+            unnamed_statement: None,
+            portals: HashMap::new(),
+            unnamed_portal: None,
+            hold: Hold::None,
+            discard_until_sync: None,
+            check_failed: false,
+            last_sql: None,
+        }
+    }
+
+    /// The forwarding loop.
+    async fn run(
+        &mut self,
+        mut client: TcpStream,
+        mut server: TcpStream,
+        mut cbuf: BytesMut,
+        stop: &Stop,
+    ) -> Result<(), SessionError> {
+        let mut sbuf = BytesMut::with_capacity(READ_CHUNK);
+        let (mut cr, mut cw) = client.split();
+        let (mut sr, mut sw) = server.split();
+        let mut client_open = true;
+        let mut draining = false;
+        // Bytes already read from the client (beyond its startup packet) are processed first.
+        let mut client_pending = !cbuf.is_empty();
+        loop {
+            if client_pending && self.hold != Hold::Waiting {
+                client_pending = false;
+                match self.on_client_bytes(&mut cbuf)? {
+                    Flow::Terminate => client_open = false,
+                    Flow::Hold | Flow::Continue => {}
+                }
+            }
+            if !client_open && self.to_server.is_empty() {
+                return Ok(());
+            }
+            if draining
+                && self.phase == Phase::Ready
+                && self.replies.is_empty()
+                && self.tx.view == tx::View::Idle
+                && self.to_server.is_empty()
+                && self.to_client.is_empty()
+            {
+                return Err(self.say_goodbye(&mut cw).await);
+            }
+            let read_client =
+                client_open && self.hold != Hold::Waiting && self.to_server.len() < HIGH_WATER;
+            let read_server = self.to_client.len() < HIGH_WATER;
+            if cbuf.capacity() - cbuf.len() < 1024 {
+                cbuf.reserve(READ_CHUNK);
+            }
+            if sbuf.capacity() - sbuf.len() < 1024 {
+                sbuf.reserve(READ_CHUNK);
+            }
+            tokio::select! {
+                r = sr.read_buf(&mut sbuf), if read_server => {
+                    let n = r.map_err(SessionError::ServerIo)?;
+                    if n == 0 {
+                        // The server closed: pass on whatever it said last.
+                        self.on_server_bytes(&mut sbuf)?;
+                        let _ = cw.write_all(&self.to_client).await;
+                        return Err(SessionError::ServerIo(std::io::ErrorKind::UnexpectedEof.into()));
+                    }
+                    let was_waiting = self.hold == Hold::Waiting;
+                    self.on_server_bytes(&mut sbuf)?;
+                    if was_waiting && self.hold != Hold::Waiting {
+                        client_pending = true;
+                    }
+                }
+                r = cr.read_buf(&mut cbuf), if read_client => {
+                    let n = r.map_err(SessionError::ClientIo)?;
+                    if n == 0 {
+                        // The client went away without Terminate: end the server session.
+                        crate::protocol::message::write_message(&mut self.to_server, b'X', |_| {});
+                        client_open = false;
+                    } else {
+                        client_pending = true;
+                    }
+                }
+                r = sw.write(&self.to_server), if !self.to_server.is_empty() => {
+                    let n = r.map_err(SessionError::ServerIo)?;
+                    self.to_server.advance(n);
+                }
+                r = cw.write(&self.to_client), if !self.to_client.is_empty() => {
+                    let n = r.map_err(SessionError::ClientIo)?;
+                    self.to_client.advance(n);
+                }
+                _ = stop.drain.cancelled(), if !draining => {
+                    draining = true;
+                }
+                _ = stop.kill.cancelled() => {
+                    return Err(self.say_goodbye(&mut cw).await);
+                }
+            }
+            // Write what is ready without another trip through select!.
+            if !self.to_server.is_empty() {
+                match sw.try_write(&self.to_server) {
+                    Ok(n) => self.to_server.advance(n),
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(e) => return Err(SessionError::ServerIo(e)),
+                }
+            }
+            if !self.to_client.is_empty() {
+                match cw.try_write(&self.to_client) {
+                    Ok(n) => self.to_client.advance(n),
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(e) => return Err(SessionError::ClientIo(e)),
+                }
+            }
+        }
+    }
+
+    /// Tells an idle client that pgfence is shutting down.
+    async fn say_goodbye(&mut self, cw: &mut tokio::net::tcp::WriteHalf<'_>) -> SessionError {
+        let e = SessionError::Shutdown;
+        let mut out = BytesMut::new();
+        e.to_client(&mut out);
+        let _ = cw.write_all(&out).await;
+        e
+    }
+
+    /// Processes every complete client message in `buf`.
+    fn on_client_bytes(&mut self, buf: &mut BytesMut) -> Result<Flow, SessionError> {
+        let mut at = 0;
+        let mut flow = Flow::Continue;
+        while let Some((tag, len)) =
+            next_frame(&buf[at..], self.max_message).map_err(SessionError::ClientFrame)?
+        {
+            let frame = &buf[at..at + len];
+            flow = match self.phase {
+                Phase::Auth => self.on_auth_client_frame(tag, frame)?,
+                Phase::Ready => self.on_client_frame(tag, frame)?,
+            };
+            if flow == Flow::Hold {
+                break;
+            }
+            at += len;
+            if flow == Flow::Terminate {
+                break;
+            }
+        }
+        buf.advance(at);
+        Ok(flow)
+    }
+
+    /// Processes every complete server message in `buf`.
+    fn on_server_bytes(&mut self, buf: &mut BytesMut) -> Result<(), SessionError> {
+        let mut at = 0;
+        while let Some((tag, len)) =
+            next_frame(&buf[at..], self.max_message).map_err(SessionError::ServerFrame)?
+        {
+            let frame = &buf[at..at + len];
+            match self.phase {
+                Phase::Auth => self.on_auth_server_frame(tag, frame)?,
+                Phase::Ready => self.on_server_frame(tag, frame)?,
+            }
+            at += len;
+        }
+        buf.advance(at);
+        Ok(())
+    }
+
+    /// During authentication the client may only answer the server's requests.
+    fn on_auth_client_frame(&mut self, tag: u8, frame: &[u8]) -> Result<Flow, SessionError> {
+        match tag {
+            b'p' => {
+                self.to_server.extend_from_slice(frame);
+                Ok(Flow::Continue)
+            }
+            b'X' => {
+                self.to_server.extend_from_slice(frame);
+                Ok(Flow::Terminate)
+            }
+            _ => Err(SessionError::UnexpectedClientMessage(tag as char)),
+        }
+    }
+
+    /// Relays authentication; swaps BackendKeyData for pgfence's own key.
+    fn on_auth_server_frame(&mut self, tag: u8, frame: &[u8]) -> Result<(), SessionError> {
+        match tag {
+            b'K' => {
+                let body = crate::protocol::message::body(frame);
+                if body.len() < 8 {
+                    return Err(SessionError::UnexpectedServerMessage('K'));
+                }
+                let pid = i32::from_be_bytes([body[0], body[1], body[2], body[3]]);
+                let key = i32::from_be_bytes([body[4], body[5], body[6], body[7]]);
+                self.backend_pid = pid;
+                let (cpid, ckey) = self.shared.cancel.register(CancelTarget {
+                    upstream: self.upstream,
+                    pid,
+                    key,
+                });
+                self.client_key = Some((cpid, ckey));
+                crate::protocol::message::backend_key_data(&mut self.to_client, cpid, ckey);
+                tracing::Span::current().record("backend_pid", pid);
+            }
+            b'Z' => {
+                self.phase = Phase::Ready;
+                self.tx
+                    .on_ready(crate::protocol::message::ready_status(frame), true);
+                self.to_client.extend_from_slice(frame);
+                self.shared.clients.insert(
+                    self.id,
+                    ClientInfo {
+                        addr: self.client_addr.clone(),
+                        user: self.user.clone(),
+                        database: self.database.clone(),
+                        application_name: self.application_name.clone(),
+                        backend_pid: self.backend_pid,
+                        connected_at: SystemTime::now(),
+                    },
+                );
+                debug!(user = %self.user, database = %self.database, backend_pid = self.backend_pid, "session ready");
+            }
+            b'R' | b'S' | b'E' | b'N' | b'v' => self.to_client.extend_from_slice(frame),
+            _ => return Err(SessionError::UnexpectedServerMessage(tag as char)),
+        }
+        Ok(())
+    }
+
+    /// Cleans up shared state when the session ends.
+    fn finish(&mut self) {
+        if let Some((pid, key)) = self.client_key.take() {
+            self.shared.cancel.unregister(pid, key);
+        }
+        self.shared.clients.remove(&self.id);
+    }
+}

@@ -1,0 +1,154 @@
+//! The replies the server still owes, in order, and what to do with each.
+//!
+//! Every message sent upstream that the server answers gets an entry: the client's own
+//! messages (their replies are forwarded) and the ones pgfence injects (their replies are
+//! swallowed, and their errors turned into what the client sees). This is how pgfence stays
+//! in step with pipelined extended-protocol traffic.
+
+use std::collections::VecDeque;
+
+/// Which request a reply answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Request {
+    /// A simple Query: replies until ReadyForQuery.
+    Query,
+    Parse,
+    Bind,
+    /// Describe of a statement (`S`, ParameterDescription then RowDescription/NoData) or of
+    /// a portal (`P`, RowDescription/NoData).
+    Describe,
+    Execute,
+    Close,
+    /// Answered by ReadyForQuery.
+    Sync,
+    /// A FunctionCall: FunctionCallResponse then ReadyForQuery.
+    FunctionCall,
+}
+
+impl Request {
+    /// Whether ReadyForQuery ends this request.
+    pub fn is_sync_point(self) -> bool {
+        matches!(self, Request::Query | Request::Sync | Request::FunctionCall)
+    }
+}
+
+/// Who sent the request, and so what happens to its replies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    /// The client's message: forward the replies.
+    Client,
+    /// Injected by pgfence: swallow the replies.
+    Injected(Injected),
+}
+
+/// What an injected request was for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Injected {
+    /// Preparing pgfence's own statement (the check or the fast-path rejection).
+    Prepare,
+    /// Binding or executing the commit-time check.
+    Check,
+    /// Binding the fast-path rejection (its Execute stands in for the client's).
+    FastReject,
+    /// The Sync after a check pgfence runs in its own transaction before a client's COMMIT
+    /// (simple protocol) or before a statement that cannot run in a transaction block.
+    CheckSync(AfterCheck),
+}
+
+/// What to do once a check that ran in its own Sync is answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AfterCheck {
+    /// The client's COMMIT follows: nothing to do.
+    Commit,
+    /// The client's message is held until the check is answered.
+    Release,
+}
+
+/// A simple Query's plan: which of its statements pgfence added.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct QueryPlan {
+    /// Indexes (in statement order) of the injected check statements, ascending.
+    pub checks: Vec<usize>,
+    /// Statements answered so far.
+    pub done: usize,
+    /// The query was rewritten to the fast-path rejection.
+    pub fast_reject: bool,
+}
+
+impl QueryPlan {
+    /// Whether the statement being answered now is one pgfence added.
+    #[inline]
+    pub fn in_check(&self) -> bool {
+        !self.checks.is_empty() && self.checks.contains(&self.done)
+    }
+}
+
+/// One reply the server owes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pending {
+    pub request: Request,
+    pub origin: Origin,
+    /// For `Query`: the plan. Boxed elsewhere would cost an allocation per query; the
+    /// empty plan allocates nothing.
+    pub plan: QueryPlan,
+}
+
+/// The queue of owed replies.
+#[derive(Debug, Default)]
+pub struct Replies {
+    queue: VecDeque<Pending>,
+}
+
+impl Replies {
+    #[inline]
+    pub fn push(&mut self, request: Request, origin: Origin) {
+        self.queue.push_back(Pending {
+            request,
+            origin,
+            plan: QueryPlan::default(),
+        });
+    }
+
+    #[inline]
+    pub fn push_query(&mut self, plan: QueryPlan) {
+        self.queue.push_back(Pending {
+            request: Request::Query,
+            origin: Origin::Client,
+            plan,
+        });
+    }
+
+    #[inline]
+    pub fn front(&self) -> Option<&Pending> {
+        self.queue.front()
+    }
+
+    #[inline]
+    pub fn front_mut(&mut self) -> Option<&mut Pending> {
+        self.queue.front_mut()
+    }
+
+    #[inline]
+    pub fn pop(&mut self) -> Option<Pending> {
+        self.queue.pop_front()
+    }
+
+    #[inline]
+    pub fn is_empty(&self) -> bool {
+        self.queue.is_empty()
+    }
+
+    /// After an error in the extended protocol the server skips every message up to the
+    /// next Sync: drop their entries. Returns whether any dropped entry was the client's.
+    pub fn skip_to_sync(&mut self) -> bool {
+        let mut client = false;
+        while let Some(p) = self.queue.front() {
+            if p.request.is_sync_point() {
+                break;
+            }
+            client |= p.origin == Origin::Client;
+            self.queue.pop_front();
+        }
+        client
+    }
+}

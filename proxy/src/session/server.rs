@@ -1,0 +1,197 @@
+//! Server replies in the Ready phase: each is matched to the request it answers (the queue
+//! in [`super::replies`]) and forwarded, swallowed (replies to pgfence's own messages) or
+//! turned into what the client must see (a rejection).
+
+use fence_core::rejection::Rejection;
+
+use crate::error::SessionError;
+use crate::protocol::message::{self as msg, Backend};
+
+use super::replies::{AfterCheck, Injected, Origin, Request};
+use super::{Hold, Session};
+
+/// `in_failed_sql_transaction`: the transaction had already failed before pgfence's check.
+const IN_FAILED_TRANSACTION: &[u8] = b"25P02";
+
+impl Session {
+    pub(super) fn on_server_frame(&mut self, tag: u8, frame: &[u8]) -> Result<(), SessionError> {
+        let Some(kind) = Backend::from_tag(tag) else {
+            return Err(SessionError::UnexpectedServerMessage(tag as char));
+        };
+        match kind {
+            Backend::NoticeResponse | Backend::NotificationResponse | Backend::ParameterStatus => {
+                self.to_client.extend_from_slice(frame)
+            }
+            Backend::ParseComplete | Backend::BindComplete | Backend::CloseComplete => {
+                let origin = self.replies.pop().map(|p| p.origin);
+                if origin == Some(Origin::Client) || origin.is_none() {
+                    self.to_client.extend_from_slice(frame);
+                }
+            }
+            Backend::RowDescription | Backend::NoData => match self.replies.front() {
+                Some(p) if p.request == Request::Describe => {
+                    let origin = p.origin;
+                    self.replies.pop();
+                    if origin == Origin::Client {
+                        self.to_client.extend_from_slice(frame);
+                    }
+                }
+                Some(p) if p.request == Request::Query && p.plan.in_check() => {}
+                _ => self.forward_if_client(frame),
+            },
+            Backend::DataRow => match self.replies.front() {
+                Some(p)
+                    if p.origin == Origin::Injected(Injected::Check)
+                        || (p.request == Request::Query && p.plan.in_check()) =>
+                {
+                    if let Some(value) = msg::first_column(frame) {
+                        self.observe_check_result(value);
+                    }
+                }
+                _ => self.forward_if_client(frame),
+            },
+            Backend::CommandComplete | Backend::EmptyQueryResponse | Backend::PortalSuspended => {
+                self.on_statement_done(kind, frame)
+            }
+            Backend::ErrorResponse => self.on_error(frame),
+            Backend::ReadyForQuery => self.on_ready(frame),
+            Backend::ParameterDescription
+            | Backend::CopyInResponse
+            | Backend::CopyOutResponse
+            | Backend::CopyBothResponse
+            | Backend::CopyData
+            | Backend::CopyDone
+            | Backend::FunctionCallResponse => self.forward_if_client(frame),
+            Backend::Authentication
+            | Backend::BackendKeyData
+            | Backend::NegotiateProtocolVersion => {
+                return Err(SessionError::UnexpectedServerMessage(tag as char))
+            }
+        }
+        Ok(())
+    }
+
+    #[inline]
+    fn forward_if_client(&mut self, frame: &[u8]) {
+        if self
+            .replies
+            .front()
+            .is_none_or(|p| p.origin == Origin::Client)
+        {
+            self.to_client.extend_from_slice(frame);
+        }
+    }
+
+    fn on_statement_done(&mut self, kind: Backend, frame: &[u8]) {
+        let Some(front) = self.replies.front_mut() else {
+            self.to_client.extend_from_slice(frame);
+            return;
+        };
+        if front.request == Request::Query {
+            let in_check = front.plan.in_check();
+            front.plan.done += 1;
+            if in_check {
+                return;
+            }
+            if self.check_failed
+                && kind == Backend::CommandComplete
+                && msg::command_tag(frame) == b"ROLLBACK"
+            {
+                // The COMMIT after a failed check: the client was told of the failure.
+                return;
+            }
+            self.to_client.extend_from_slice(frame);
+            return;
+        }
+        if front.request == Request::Execute {
+            let origin = front.origin;
+            self.replies.pop();
+            if origin == Origin::Client {
+                self.to_client.extend_from_slice(frame);
+            }
+            return;
+        }
+        self.forward_if_client(frame);
+    }
+
+    fn on_error(&mut self, frame: &[u8]) {
+        let fields = msg::error_fields(frame);
+        let rejection = if fields.code.starts_with(b"FN") {
+            Rejection::from_server(
+                std::str::from_utf8(fields.code).unwrap_or_default(),
+                &String::from_utf8_lossy(fields.message),
+            )
+        } else {
+            None
+        };
+        let Some(front) = self.replies.front() else {
+            // An error nothing asked for (e.g. the server shutting down): pass it on.
+            self.to_client.extend_from_slice(frame);
+            return;
+        };
+        let (request, origin, fast) = (front.request, front.origin, front.plan.fast_reject);
+        let from_check = match request {
+            Request::Query => front.plan.in_check(),
+            _ => origin == Origin::Injected(Injected::Check),
+        };
+        if !request.is_sync_point() {
+            self.replies.pop();
+            self.replies.skip_to_sync();
+        }
+        if origin == Origin::Injected(Injected::Prepare) {
+            // pgfence's own statement could not be prepared (schema not installed?): the
+            // client must learn it, and the next check prepares again.
+            self.fence.check_prepared = false;
+            self.fence.fast_reject_prepared = false;
+        }
+        if from_check {
+            if fields.code == IN_FAILED_TRANSACTION {
+                // The transaction had failed before: its COMMIT rolls back as usual.
+                return;
+            }
+            self.check_failed = true;
+        }
+        if let Some(r) = &rejection {
+            let path = if fast || origin == Origin::Injected(Injected::FastReject) {
+                "fast"
+            } else {
+                "database"
+            };
+            self.report_rejection(r, path);
+            // The client sees the rejection as from a constraint: without the PL/pgSQL
+            // call stack of pgfence's functions.
+            msg::without_location(frame, &mut self.to_client);
+            return;
+        }
+        self.to_client.extend_from_slice(frame);
+    }
+
+    fn on_ready(&mut self, frame: &[u8]) {
+        let status = msg::ready_status(frame);
+        // Pop up to and including the sync point this answers.
+        let mut answered = None;
+        while let Some(p) = self.replies.pop() {
+            if p.request.is_sync_point() {
+                answered = Some(p.origin);
+                break;
+            }
+        }
+        let settled = self.replies.is_empty();
+        self.tx.on_ready(status, settled);
+        match answered {
+            Some(Origin::Injected(Injected::CheckSync(AfterCheck::Commit))) => {}
+            Some(Origin::Injected(Injected::CheckSync(AfterCheck::Release))) => {
+                self.hold = if self.check_failed {
+                    Hold::Failed(status)
+                } else {
+                    Hold::Passed
+                };
+                self.check_failed = false;
+            }
+            _ => {
+                self.check_failed = false;
+                self.to_client.extend_from_slice(frame);
+            }
+        }
+    }
+}

@@ -1,0 +1,163 @@
+//! What pgfence knows of the server-side transaction, from the messages it sent and the
+//! ReadyForQuery statuses it received, and where the commit-time check goes.
+//!
+//! The view is exact whenever nothing is in flight (the last ReadyForQuery tells). While
+//! pipelined messages are in flight it is a prediction, and every prediction errs towards
+//! checking: a check that runs in the middle of a transaction is harmless (it takes the same
+//! lock the final check would, held until the transaction ends), a missed one is not.
+
+use fence_core::classify::{Analysis, StatementKind};
+use fence_core::directive::Directive;
+
+/// The server-side transaction as pgfence sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum View {
+    /// No transaction block is open.
+    Idle,
+    /// Inside a transaction block.
+    InBlock,
+    /// Inside a failed transaction block: every statement fails until it ends.
+    Failed,
+    /// Transaction control is in flight; the next ReadyForQuery will tell.
+    Unknown,
+}
+
+/// Per-session transaction tracking.
+#[derive(Debug)]
+pub struct TxState {
+    pub view: View,
+    /// A statement that may write was sent since the last check or transaction end.
+    pub dirty: bool,
+    /// Fencing directives of the statements sent in the current transaction.
+    pub directives: Vec<Directive>,
+    /// An Execute was sent since the last Sync (the extended protocol's implicit
+    /// transaction may already hold writes).
+    pub batch_has_execute: bool,
+    /// Check read-only statements too (`fence.skip_read_only = false`).
+    pub check_reads: bool,
+}
+
+/// Where a simple Query needs checks.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct SimplePlan {
+    /// Byte offsets in the SQL text before which a check statement is inserted, with the
+    /// index of the client statement there.
+    pub before: Vec<(usize, usize)>,
+    /// A check goes after the last statement (the implicit transaction ends there).
+    pub at_end: bool,
+}
+
+impl SimplePlan {
+    pub fn is_empty(&self) -> bool {
+        self.before.is_empty() && !self.at_end
+    }
+}
+
+impl TxState {
+    pub fn new(check_reads: bool) -> TxState {
+        TxState {
+            view: View::Idle,
+            dirty: false,
+            directives: Vec::new(),
+            batch_has_execute: false,
+            check_reads,
+        }
+    }
+
+    /// A statement of this kind is being sent (extended protocol Execute).
+    pub fn on_statement(&mut self, kind: StatementKind) {
+        match kind {
+            StatementKind::Begin => self.view = View::Unknown,
+            StatementKind::Commit | StatementKind::PrepareTransaction | StatementKind::Rollback => {
+                self.end();
+                self.view = View::Unknown;
+            }
+            StatementKind::RollbackToSavepoint => self.dirty = true,
+            StatementKind::MayWrite | StatementKind::NonTransactional => self.dirty = true,
+            StatementKind::ReadOnly | StatementKind::Discard => self.dirty |= self.check_reads,
+            StatementKind::Savepoint | StatementKind::Empty => {}
+        }
+    }
+
+    /// Forgets what the ended transaction carried.
+    pub fn end(&mut self) {
+        self.dirty = false;
+        self.directives.clear();
+    }
+
+    /// Whether a COMMIT sent now needs a check before it.
+    pub fn commit_needs_check(&self) -> bool {
+        self.dirty && self.view != View::Failed
+    }
+
+    /// Whether a Sync sent now may end a transaction that wrote.
+    pub fn sync_needs_check(&self) -> bool {
+        self.dirty && !matches!(self.view, View::InBlock | View::Failed)
+    }
+
+    /// A ReadyForQuery arrived; `settled` when nothing else is in flight.
+    pub fn on_ready(&mut self, status: u8, settled: bool) {
+        if !settled {
+            return;
+        }
+        self.view = match status {
+            b'T' => View::InBlock,
+            b'E' => View::Failed,
+            _ => View::Idle,
+        };
+        if self.view == View::Idle {
+            self.end();
+        }
+    }
+
+    /// Plans the checks of a simple Query and updates the state as if it was sent.
+    pub fn plan_simple(&mut self, analysis: &Analysis) -> SimplePlan {
+        let mut plan = SimplePlan::default();
+        // `None`: not known whether a block is open.
+        let mut in_block = match self.view {
+            View::Idle => Some(false),
+            View::InBlock | View::Failed => Some(true),
+            View::Unknown => None,
+        };
+        let mut failed = self.view == View::Failed;
+        let mut control = false;
+        for (i, st) in analysis.statements.iter().enumerate() {
+            match st.kind {
+                StatementKind::Begin => {
+                    in_block = Some(true);
+                    control = true;
+                }
+                StatementKind::Commit | StatementKind::PrepareTransaction => {
+                    if self.dirty && !failed {
+                        plan.before.push((st.start, i));
+                    }
+                    self.dirty = false;
+                    in_block = Some(false);
+                    failed = false;
+                    control = true;
+                }
+                StatementKind::Rollback => {
+                    self.dirty = false;
+                    in_block = Some(false);
+                    failed = false;
+                    control = true;
+                }
+                StatementKind::RollbackToSavepoint => {
+                    self.dirty = true;
+                    failed = false;
+                }
+                StatementKind::MayWrite | StatementKind::NonTransactional => self.dirty = true,
+                StatementKind::ReadOnly | StatementKind::Discard => self.dirty |= self.check_reads,
+                StatementKind::Savepoint | StatementKind::Empty => {}
+            }
+        }
+        if self.dirty && in_block != Some(true) {
+            plan.at_end = true;
+            self.dirty = false;
+        }
+        if control {
+            self.view = View::Unknown;
+        }
+        plan
+    }
+}

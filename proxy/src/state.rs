@@ -1,0 +1,178 @@
+//! State shared by all sessions of one pgfence process: the configuration in force, cancel
+//! routing, the fences seen so far (for the fast path), recent rejections and counters.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::SystemTime;
+
+use dashmap::DashMap;
+use pgfence_config::Config;
+
+use crate::cancel::CancelRegistry;
+
+/// How many rejections `SHOW REJECTIONS` keeps.
+pub const REJECTIONS_KEPT: usize = 100;
+
+/// Everything sessions share.
+#[derive(Debug)]
+pub struct Shared {
+    config: RwLock<Arc<Config>>,
+    pub cancel: CancelRegistry,
+    pub fences: KnownFences,
+    pub rejections: Mutex<VecDeque<RejectionRecord>>,
+    pub clients: DashMap<u64, ClientInfo>,
+    pub stats: Stats,
+    next_client_id: AtomicU64,
+    active: Arc<AtomicUsize>,
+}
+
+/// Counts a session as active while it lives.
+#[derive(Debug)]
+pub struct ActiveGuard(Arc<AtomicUsize>);
+
+impl Drop for ActiveGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Shared {
+    pub fn new(config: Arc<Config>) -> Shared {
+        Shared {
+            config: RwLock::new(config),
+            cancel: CancelRegistry::default(),
+            fences: KnownFences::default(),
+            rejections: Mutex::new(VecDeque::with_capacity(REJECTIONS_KEPT)),
+            clients: DashMap::new(),
+            stats: Stats::default(),
+            next_client_id: AtomicU64::new(1),
+            active: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
+    /// Counts a new session (including ones still starting up).
+    pub fn enter(&self) -> ActiveGuard {
+        self.active.fetch_add(1, Ordering::Relaxed);
+        ActiveGuard(self.active.clone())
+    }
+
+    /// Sessions alive now.
+    pub fn active_sessions(&self) -> usize {
+        self.active.load(Ordering::Relaxed)
+    }
+
+    /// `Some(limit)` when this session is one too many.
+    pub fn too_many_clients(&self, config: &Config) -> Option<usize> {
+        let limit = config.limits.max_client_connections;
+        (self.active_sessions() > limit).then_some(limit)
+    }
+
+    /// The configuration new sessions use.
+    pub fn config(&self) -> Arc<Config> {
+        self.config.read().expect("config lock poisoned").clone()
+    }
+
+    /// Puts a new configuration in force for new sessions.
+    pub fn set_config(&self, config: Arc<Config>) {
+        *self.config.write().expect("config lock poisoned") = config;
+    }
+
+    /// A process-unique id for a client session.
+    pub fn next_client_id(&self) -> u64 {
+        self.next_client_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Keeps a rejection for `SHOW REJECTIONS`.
+    pub fn remember_rejection(&self, record: RejectionRecord) {
+        let mut log = self.rejections.lock().expect("rejection log poisoned");
+        if log.len() == REJECTIONS_KEPT {
+            log.pop_front();
+        }
+        log.push_back(record);
+    }
+}
+
+/// The highest token pgfence has seen accepted, per resource. Only ever grows; the database
+/// stays the authority (the fast path may reject with it, never accept).
+#[derive(Debug, Default)]
+pub struct KnownFences {
+    map: DashMap<String, i64>,
+}
+
+impl KnownFences {
+    /// Records that `token` was accepted (or is the fence) for `resource`.
+    pub fn observe(&self, resource: &str, token: i64) {
+        if let Some(mut cur) = self.map.get_mut(resource) {
+            if *cur < token {
+                *cur = token;
+            }
+            return;
+        }
+        self.map
+            .entry(resource.to_string())
+            .and_modify(|cur| *cur = (*cur).max(token))
+            .or_insert(token);
+    }
+
+    /// The highest token seen for `resource`.
+    pub fn get(&self, resource: &str) -> Option<i64> {
+        self.map.get(resource).map(|v| *v)
+    }
+
+    /// All known fences, sorted by resource.
+    pub fn snapshot(&self) -> Vec<(String, i64)> {
+        let mut all: Vec<_> = self
+            .map
+            .iter()
+            .map(|e| (e.key().clone(), *e.value()))
+            .collect();
+        all.sort();
+        all
+    }
+}
+
+/// One rejected transaction, as `SHOW REJECTIONS` and the log show it.
+#[derive(Debug, Clone)]
+pub struct RejectionRecord {
+    pub at: SystemTime,
+    pub resource: String,
+    pub token: String,
+    pub fence: Option<i64>,
+    pub reason: &'static str,
+    pub path: &'static str,
+    pub client_addr: String,
+    pub user: String,
+    pub database: String,
+    pub application_name: String,
+    pub backend_pid: i32,
+    pub statement: String,
+}
+
+/// A connected client, for `SHOW CLIENTS`.
+#[derive(Debug, Clone)]
+pub struct ClientInfo {
+    pub addr: String,
+    pub user: String,
+    pub database: String,
+    pub application_name: String,
+    pub backend_pid: i32,
+    pub connected_at: SystemTime,
+}
+
+/// Process-wide counters (`SHOW STATS`, metrics).
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub clients_total: AtomicU64,
+    pub queries: AtomicU64,
+    pub checks: AtomicU64,
+    pub rejections: AtomicU64,
+    pub fast_rejections: AtomicU64,
+    pub upstream_errors: AtomicU64,
+}
+
+impl Stats {
+    pub fn add(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Installs what pgfence's tests, benchmarks and CI need on a Debian machine, and only what is
+# missing: the PostgreSQL server and clients (initdb, pg_ctl, psql, pgbench, and the
+# `postgres` OS user the test harness runs servers as under root), pgbouncer (for the
+# benchmark runner), pip when python3 has none, and psycopg 3 for the driver tests.
+#
+# Idempotent: a machine that has everything is left alone (no apt-get update). Installs as
+# root without sudo; as another user it prints what is missing and exits 1.
+set -euo pipefail
+
+PSYCOPG_SPEC='psycopg[binary]>=3.1'
+
+have_pg_server() {
+    local bindir
+    bindir=$(pg_config --bindir 2>/dev/null || true)
+    [[ -n $bindir && -x $bindir/initdb ]] && return 0
+    compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null
+}
+
+apt_packages=()
+if ! have_pg_server || ! command -v psql >/dev/null || ! command -v pgbench >/dev/null \
+    || ! id -u postgres >/dev/null 2>&1; then
+    apt_packages+=(postgresql postgresql-client)
+fi
+if ! command -v pgbouncer >/dev/null && [[ ! -x /usr/sbin/pgbouncer ]]; then
+    apt_packages+=(pgbouncer)
+fi
+if ! command -v python3 >/dev/null; then
+    apt_packages+=(python3 python3-pip)
+elif ! python3 -m pip --version >/dev/null 2>&1; then
+    apt_packages+=(python3-pip)
+fi
+
+need_psycopg=false
+if ! command -v python3 >/dev/null || ! python3 -c 'import psycopg' >/dev/null 2>&1; then
+    need_psycopg=true
+fi
+
+if [[ ${#apt_packages[@]} -eq 0 && $need_psycopg == false ]]; then
+    echo "install-deps: everything is installed"
+    exit 0
+fi
+
+if [[ $(id -u) -ne 0 ]]; then
+    echo "install-deps: missing, and not root:" >&2
+    [[ ${#apt_packages[@]} -gt 0 ]] && echo "  sudo apt-get install ${apt_packages[*]}" >&2
+    [[ $need_psycopg == true ]] && echo "  python3 -m pip install '$PSYCOPG_SPEC'" >&2
+    exit 1
+fi
+
+retry() {
+    local attempt
+    for attempt in 1 2 3; do
+        "$@" && return 0
+        echo "install-deps: attempt $attempt of '$*' failed" >&2
+        sleep $((attempt * 5))
+    done
+    return 1
+}
+
+if [[ ${#apt_packages[@]} -gt 0 ]]; then
+    echo "install-deps: apt-get install ${apt_packages[*]}"
+    if [[ " ${apt_packages[*]} " == *" postgresql "* ]]; then
+        # The tests start their own servers: do not create (and start) a cluster on 5432.
+        mkdir -p /etc/postgresql-common/createcluster.d
+        echo 'create_main_cluster = false' >/etc/postgresql-common/createcluster.d/pgfence.conf
+    fi
+    export DEBIAN_FRONTEND=noninteractive
+    retry apt-get -o DPkg::Lock::Timeout=300 update -q
+    retry apt-get -o DPkg::Lock::Timeout=300 install -y -q --no-install-recommends "${apt_packages[@]}"
+fi
+
+if [[ $need_psycopg == true ]]; then
+    echo "install-deps: python3 -m pip install '$PSYCOPG_SPEC' ($(command -v python3))"
+    export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+    pip_install() {
+        local out
+        if out=$(python3 -m pip install --progress-bar off -q --root-user-action=ignore "$@" "$PSYCOPG_SPEC" 2>&1); then
+            return 0
+        fi
+        if grep -q externally-managed-environment <<<"$out"; then
+            python3 -m pip install --progress-bar off -q --root-user-action=ignore --break-system-packages "$@" "$PSYCOPG_SPEC"
+        else
+            echo "$out" >&2
+            return 1
+        fi
+    }
+    retry pip_install
+    python3 -c 'import psycopg; print("install-deps: psycopg", psycopg.__version__)'
+fi
+echo "install-deps: done"

@@ -1,0 +1,37 @@
+//! The real-PostgreSQL test harness for pgfence (crate `pgfence-tests`, lib `harness`).
+//!
+//! - [`PgCluster`]: a throwaway PostgreSQL server per test, with the roles `md5user` and
+//!   `scramuser` and a database `app` (see [`cluster`] for the exact setup).
+//! - [`Proxy`]: pgfence running in-process on its own tokio runtime, for sync and async tests.
+//! - [`ProxyProcess`]: the real `pgfence` binary as a child process, for signals and logs.
+//! - [`run_python`]: the psycopg scripts in `tests/python/`.
+//! - [`checker`]: the fencing invariant of SPEC section 4, checked over what a server committed.
+//!
+//! Everything here panics with a message saying what failed: it is test code, and a panic
+//! is how a test fails. Every server, proxy and directory is cleaned up on drop, also when
+//! the test panics.
+#![forbid(unsafe_code)]
+
+pub mod checker;
+mod client;
+pub mod cluster;
+mod host;
+mod ports;
+mod process;
+pub mod proxy;
+pub mod proxy_process;
+pub mod python;
+
+pub use client::{connect_to, quote_conn_value, try_connect_to};
+pub use cluster::{
+    pg_bin_dir, PgCluster, PgClusterBuilder, APP_DB, MD5_PASSWORD, MD5_USER, SCRAM_PASSWORD,
+    SCRAM_USER, SUPERUSER,
+};
+pub use nix::sys::signal::Signal;
+pub use ports::free_port;
+pub use proxy::{init_tracing, Proxy};
+pub use proxy_process::{ProxyProcess, ProxyProcessBuilder};
+pub use python::{in_ci, python, python_dir, python_or_skip, run_python};
+
+/// The address every server and proxy of the harness listens on.
+pub const HOST: &str = "127.0.0.1";
