@@ -129,9 +129,9 @@ pub struct Fence {
     /// Skip the check for transactions whose every statement provably cannot write
     /// (see fence-core's classifier). `false` checks every transaction. Default `true`.
     pub skip_read_only: bool,
-    /// Create or upgrade schema `pgfence` in the upstream database when the proxy starts,
-    /// as the user given here (needs CREATE on the database). Default: not set, do not install.
-    pub install_as: Option<String>,
+    /// Create or upgrade schema `pgfence` in these databases when the proxy starts.
+    /// Default: not set, do not install (run `pgfence install` instead).
+    pub install: Option<InstallOnStart>,
     /// The role that gets EXECUTE on the check function when pgfence installs the schema.
     /// Default `PUBLIC`.
     pub grant_to: Option<String>,
@@ -149,13 +149,24 @@ impl Default for Fence {
             enabled: true,
             fast_path: true,
             skip_read_only: true,
-            install_as: None,
+            install: None,
             grant_to: None,
             on_missing_token: OnMissingToken::Reject,
             resources: BTreeMap::new(),
             defaults: Vec::new(),
         }
     }
+}
+
+/// Installing the schema when the proxy starts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InstallOnStart {
+    /// User to connect as (needs CREATE on each database). Its password, if the server asks
+    /// for one, comes from the `PGPASSWORD` environment variable.
+    pub user: String,
+    /// Databases to install into.
+    pub databases: Vec<String>,
 }
 
 /// Settings of one resource.
@@ -219,12 +230,24 @@ impl Fence {
 }
 
 /// The admin console.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Admin {
     /// Users allowed to connect to the virtual database `pgfence`. They authenticate
     /// against the upstream server with their own password. Default: none (console off).
     pub users: Vec<String>,
+    /// The upstream database the console logs in to and reads `pgfence.fences` from.
+    /// Default `postgres`.
+    pub database: String,
+}
+
+impl Default for Admin {
+    fn default() -> Self {
+        Admin {
+            users: Vec::new(),
+            database: "postgres".into(),
+        }
+    }
 }
 
 /// Log output format.
@@ -265,7 +288,107 @@ pub enum ConfigError {
     Invalid(String),
 }
 
+/// Settings given on the command line or in `PGFENCE_*` variables: they win over the file,
+/// also after a reload.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Overrides {
+    pub listen: Option<SocketAddr>,
+    pub upstream: Option<Upstream>,
+    pub log_format: Option<LogFormat>,
+    pub metrics_addr: Option<SocketAddr>,
+    pub max_message_size: Option<u32>,
+    pub no_fence: bool,
+}
+
+impl Overrides {
+    /// Applies the overrides to a configuration.
+    pub fn apply(&self, config: &mut Config) {
+        if let Some(listen) = self.listen {
+            config.listen = listen;
+        }
+        if let Some(upstream) = &self.upstream {
+            config.upstream = upstream.clone();
+        }
+        if let Some(format) = self.log_format {
+            config.telemetry.log_format = format;
+        }
+        if let Some(addr) = self.metrics_addr {
+            config.telemetry.metrics_addr = Some(addr);
+        }
+        if let Some(max) = self.max_message_size {
+            config.limits.max_message_size = max;
+        }
+        if self.no_fence {
+            config.fence.enabled = false;
+        }
+    }
+}
+
+/// Where the configuration comes from: an optional file plus overrides. Reloading reads
+/// the file again and applies the same overrides.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Source {
+    pub path: Option<std::path::PathBuf>,
+    pub overrides: Overrides,
+}
+
+impl Source {
+    /// Reads and validates the configuration.
+    pub fn load(&self) -> Result<Config, ConfigError> {
+        let mut config = match &self.path {
+            Some(path) => Config::from_file(path)?,
+            None => Config::default(),
+        };
+        self.overrides.apply(&mut config);
+        config.validate()?;
+        Ok(config)
+    }
+}
+
+impl Upstream {
+    /// Parses `host:port`, `[v6]:port` or a bare host (port 5432).
+    pub fn parse(s: &str) -> Result<Upstream, String> {
+        let bad = || format!("invalid upstream {s:?}: expected HOST:PORT");
+        if let Some(rest) = s.strip_prefix('[') {
+            let (host, port) = rest.split_once("]:").ok_or_else(bad)?;
+            return Ok(Upstream {
+                host: host.to_string(),
+                port: port.parse().map_err(|_| bad())?,
+            });
+        }
+        match s.rsplit_once(':') {
+            Some((host, port)) if !host.contains(':') => Ok(Upstream {
+                host: host.to_string(),
+                port: port.parse().map_err(|_| bad())?,
+            }),
+            _ if s.is_empty() => Err(bad()),
+            _ => Ok(Upstream {
+                host: s.to_string(),
+                port: 5432,
+            }),
+        }
+    }
+}
+
 impl Config {
+    /// Settings that only take effect at start: what differs between `self` and `new`.
+    pub fn restart_only_changes(&self, new: &Config) -> Vec<&'static str> {
+        let mut changed = Vec::new();
+        if self.listen != new.listen {
+            changed.push("listen");
+        }
+        if self.telemetry.metrics_addr != new.telemetry.metrics_addr {
+            changed.push("telemetry.metrics_addr");
+        }
+        if self.telemetry.log_format != new.telemetry.log_format {
+            changed.push("telemetry.log_format");
+        }
+        if self.fence.install != new.fence.install {
+            changed.push("fence.install");
+        }
+        changed
+    }
+
     /// Reads, parses and validates a TOML file.
     pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {

@@ -71,3 +71,53 @@ on_missing_token = "allow"
     let config: Config = toml::from_str("[fence]\non_missing_token = \"allow\"\n").unwrap();
     assert_eq!(config.fence.allow_missing(), vec!["*".to_string()]);
 }
+
+#[test]
+fn upstream_addresses_parse() {
+    assert_eq!(
+        Upstream::parse("db:6543").unwrap(),
+        Upstream {
+            host: "db".into(),
+            port: 6543
+        }
+    );
+    assert_eq!(Upstream::parse("db").unwrap().port, 5432);
+    assert_eq!(
+        Upstream::parse("[::1]:5433").unwrap(),
+        Upstream {
+            host: "::1".into(),
+            port: 5433
+        }
+    );
+    assert!(Upstream::parse("db:x").is_err());
+    assert!(Upstream::parse("").is_err());
+}
+
+#[test]
+fn overrides_win_over_the_file_and_survive_reload() {
+    let dir = std::env::temp_dir().join(format!("pgfence-config-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("pgfence.toml");
+    std::fs::write(
+        &path,
+        "listen = \"127.0.0.1:7000\"\n[upstream]\nport = 6000\n",
+    )
+    .unwrap();
+    let source = Source {
+        path: Some(path.clone()),
+        overrides: Overrides {
+            upstream: Some(Upstream::parse("10.0.0.1:5999").unwrap()),
+            ..Overrides::default()
+        },
+    };
+    let config = source.load().unwrap();
+    assert_eq!(config.listen.port(), 7000);
+    assert_eq!(config.upstream.port, 5999);
+    std::fs::write(&path, "listen = \"127.0.0.1:7001\"\n").unwrap();
+    let reloaded = source.load().unwrap();
+    assert_eq!(reloaded.upstream.port, 5999);
+    assert_eq!(config.restart_only_changes(&reloaded), vec!["listen"]);
+    std::fs::write(&path, "listen = 12\n").unwrap();
+    assert!(source.load().is_err());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -43,6 +43,8 @@ pub enum SessionError {
     TooManyClients(usize),
     #[error("pgfence is shutting down")]
     Shutdown,
+    #[error("user {0:?} may not use the pgfence admin console (admin.users)")]
+    NotAdmin(String),
     #[error("the client sent data before pgfence answered its encryption request")]
     EncryptionAfterStartup,
 }
@@ -62,7 +64,9 @@ impl SessionError {
             | SessionError::ServerFrame(_)
             | SessionError::UnexpectedServerMessage(_)
             | SessionError::UpstreamConnect { .. } => Side::Server,
-            SessionError::TooManyClients(_) | SessionError::Shutdown => Side::Proxy,
+            SessionError::TooManyClients(_)
+            | SessionError::Shutdown
+            | SessionError::NotAdmin(_) => Side::Proxy,
         }
     }
 
@@ -70,6 +74,7 @@ impl SessionError {
     fn sqlstate(&self) -> &'static str {
         match self {
             SessionError::TooManyClients(_) => "53300",
+            SessionError::NotAdmin(_) => "28000",
             SessionError::Shutdown => "57P01",
             SessionError::UpstreamConnect { .. } | SessionError::ServerIo(_) => "08006",
             SessionError::Startup(_)

@@ -4,9 +4,11 @@
 //! the `pgfence` binary is a thin wrapper around it (flags, signals, logging).
 #![forbid(unsafe_code)]
 
+pub mod admin;
 pub mod cancel;
 pub mod error;
 pub mod install;
+pub mod metrics;
 pub mod protocol;
 mod server;
 mod session;

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use clap::{Parser, Subcommand};
 use pgfence::state::Shared;
 use pgfence::ShutdownMode;
-use pgfence_config::{Config, LogFormat};
+use pgfence_config::{Config, LogFormat, Overrides, Source, Upstream};
 use tracing::{error, info};
 
 /// pgfence: a fencing-aware PostgreSQL proxy.
@@ -73,48 +73,19 @@ fn parse_log_format(s: &str) -> Result<LogFormat, String> {
     }
 }
 
-fn load_config(cli: &Cli) -> Result<Config, String> {
-    let mut config = match &cli.config {
-        Some(path) => Config::from_file(path).map_err(|e| e.to_string())?,
-        None => Config::default(),
-    };
-    if let Some(listen) = cli.listen {
-        config.listen = listen;
-    }
-    if let Some(upstream) = &cli.upstream {
-        let (host, port) = split_host_port(upstream)?;
-        config.upstream.host = host;
-        config.upstream.port = port;
-    }
-    if let Some(format) = cli.log_format {
-        config.telemetry.log_format = format;
-    }
-    if let Some(addr) = cli.metrics_addr {
-        config.telemetry.metrics_addr = Some(addr);
-    }
-    if let Some(max) = cli.max_message_size {
-        config.limits.max_message_size = max;
-    }
-    if cli.no_fence {
-        config.fence.enabled = false;
-    }
-    config.validate().map_err(|e| e.to_string())?;
-    Ok(config)
-}
-
-/// `host:port`, `[v6]:port` or a bare host (port 5432).
-fn split_host_port(s: &str) -> Result<(String, u16), String> {
-    let bad = || format!("invalid --upstream {s:?}: expected HOST:PORT");
-    if let Some(rest) = s.strip_prefix('[') {
-        let (host, port) = rest.split_once("]:").ok_or_else(bad)?;
-        return Ok((host.to_string(), port.parse().map_err(|_| bad())?));
-    }
-    match s.rsplit_once(':') {
-        Some((host, port)) if !host.contains(':') => {
-            Ok((host.to_string(), port.parse().map_err(|_| bad())?))
-        }
-        _ => Ok((s.to_string(), 5432)),
-    }
+fn source(cli: &Cli) -> Result<Source, String> {
+    let upstream = cli.upstream.as_deref().map(Upstream::parse).transpose()?;
+    Ok(Source {
+        path: cli.config.clone(),
+        overrides: Overrides {
+            listen: cli.listen,
+            upstream,
+            log_format: cli.log_format,
+            metrics_addr: cli.metrics_addr,
+            max_message_size: cli.max_message_size,
+            no_fence: cli.no_fence,
+        },
+    })
 }
 
 fn init_logging(format: LogFormat) {
@@ -136,13 +107,14 @@ fn init_logging(format: LogFormat) {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let config = match load_config(&cli) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("pgfence: {e}");
-            return ExitCode::from(2);
-        }
-    };
+    let (source, config) =
+        match source(&cli).and_then(|s| s.load().map(|c| (s, c)).map_err(|e| e.to_string())) {
+            Ok(loaded) => loaded,
+            Err(e) => {
+                eprintln!("pgfence: {e}");
+                return ExitCode::from(2);
+            }
+        };
     init_logging(config.telemetry.log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -167,7 +139,7 @@ fn main() -> ExitCode {
             password.as_deref(),
             grant_to.as_deref(),
         )),
-        None => runtime.block_on(serve(config)),
+        None => runtime.block_on(serve(config, source)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -179,15 +151,54 @@ fn main() -> ExitCode {
     }
 }
 
-async fn serve(config: Config) -> Result<(), String> {
+async fn serve(config: Config, source: Source) -> Result<(), String> {
+    if let Some(install) = &config.fence.install {
+        let password = std::env::var("PGPASSWORD").ok();
+        for database in &install.databases {
+            pgfence::install::install(&config, database, &install.user, password.as_deref(), None)
+                .await?;
+        }
+    }
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
-    info!(listen = %config.listen, upstream = %config.upstream, fence = config.fence.enabled, "pgfence started");
+    let metrics_listener = match config.telemetry.metrics_addr {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| format!("cannot serve metrics on {addr}: {e}"))?,
+        ),
+        None => None,
+    };
+    info!(
+        listen = %config.listen,
+        upstream = %config.upstream,
+        fence = config.fence.enabled,
+        metrics = ?config.telemetry.metrics_addr,
+        "pgfence started"
+    );
     let shared = Arc::new(Shared::new(Arc::new(config)));
+    shared.set_source(source);
+    if let Some(listener) = metrics_listener {
+        tokio::spawn(pgfence::metrics::serve(listener, shared.metrics.clone()));
+    }
+    tokio::spawn(reload_on_sighup(shared.clone()));
     pgfence::run_with(listener, shared, signals())
         .await
         .map_err(|e| e.to_string())
+}
+
+/// SIGHUP reloads the configuration file, as RELOAD on the admin console does.
+async fn reload_on_sighup(shared: Arc<Shared>) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+        return;
+    };
+    while hup.recv().await.is_some() {
+        info!("SIGHUP: reloading the configuration");
+        // Failures are logged by reload; the old configuration stays in force.
+        let _ = shared.reload();
+    }
 }
 
 /// SIGINT drains, SIGTERM waits for clients (PgBouncer's meanings).

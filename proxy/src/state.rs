@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::SystemTime;
 
 use dashmap::DashMap;
-use pgfence_config::Config;
+use pgfence_config::{Config, Source};
+use tracing::{info, warn};
 
 use crate::cancel::CancelRegistry;
 
@@ -23,17 +24,21 @@ pub struct Shared {
     pub rejections: Mutex<VecDeque<RejectionRecord>>,
     pub clients: DashMap<u64, ClientInfo>,
     pub stats: Stats,
+    pub metrics: Arc<crate::metrics::Metrics>,
     next_client_id: AtomicU64,
     active: Arc<AtomicUsize>,
+    /// Where the configuration was read from, for RELOAD and SIGHUP.
+    source: Mutex<Option<Source>>,
 }
 
 /// Counts a session as active while it lives.
 #[derive(Debug)]
-pub struct ActiveGuard(Arc<AtomicUsize>);
+pub struct ActiveGuard(Arc<AtomicUsize>, Arc<crate::metrics::Metrics>);
 
 impl Drop for ActiveGuard {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::Relaxed);
+        self.1.client_connections.dec();
     }
 }
 
@@ -46,15 +51,70 @@ impl Shared {
             rejections: Mutex::new(VecDeque::with_capacity(REJECTIONS_KEPT)),
             clients: DashMap::new(),
             stats: Stats::default(),
+            metrics: Arc::default(),
             next_client_id: AtomicU64::new(1),
             active: Arc::new(AtomicUsize::new(0)),
+            source: Mutex::new(None),
         }
+    }
+
+    /// Remembers where the configuration comes from, so that it can be reloaded.
+    pub fn set_source(&self, source: Source) {
+        *self.source.lock().expect("config source lock poisoned") = Some(source);
+    }
+
+    /// Reads the configuration again and puts it in force for new sessions. A file that
+    /// does not read or validate leaves the old configuration in force.
+    pub fn reload(&self) -> Result<(), String> {
+        let source = self
+            .source
+            .lock()
+            .expect("config source lock poisoned")
+            .clone();
+        let Some(source) = source else {
+            return Err(
+                "pgfence was started without a configuration file: nothing to reload".into(),
+            );
+        };
+        let new = match source.load() {
+            Ok(c) => c,
+            Err(e) => {
+                warn!(error = %e, "reload failed: the previous configuration stays in force");
+                return Err(format!(
+                    "reload failed, the previous configuration stays in force: {e}"
+                ));
+            }
+        };
+        let old = self.config();
+        let restart_only = old.restart_only_changes(&new);
+        if !restart_only.is_empty() {
+            warn!(
+                settings = ?restart_only,
+                "reload: these settings only change at restart; they keep their old values"
+            );
+        }
+        let mut new = new;
+        // Keep what cannot change live.
+        new.listen = old.listen;
+        new.telemetry.metrics_addr = old.telemetry.metrics_addr;
+        new.telemetry.log_format = old.telemetry.log_format;
+        new.fence.install = old.fence.install.clone();
+        self.set_config(Arc::new(new));
+        info!(path = ?source.path, "configuration reloaded: new sessions use it");
+        Ok(())
     }
 
     /// Counts a new session (including ones still starting up).
     pub fn enter(&self) -> ActiveGuard {
         self.active.fetch_add(1, Ordering::Relaxed);
-        ActiveGuard(self.active.clone())
+        self.metrics.client_connections.inc();
+        ActiveGuard(self.active.clone(), self.metrics.clone())
+    }
+
+    /// Counts an upstream failure.
+    pub fn upstream_error(&self) {
+        Stats::add(&self.stats.upstream_errors);
+        self.metrics.upstream_errors.inc();
     }
 
     /// Sessions alive now.

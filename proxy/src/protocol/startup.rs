@@ -45,6 +45,32 @@ impl Startup {
             .map(|v| String::from_utf8_lossy(v).into_owned())
     }
 
+    /// The packet again, with `database` set to `database`.
+    pub fn encode_with_database(&self, database: &str) -> Vec<u8> {
+        let mut body = self.version.to_be_bytes().to_vec();
+        let mut seen = false;
+        for (k, v) in &self.params {
+            body.extend_from_slice(k);
+            body.push(0);
+            if k == b"database" {
+                seen = true;
+                body.extend_from_slice(database.as_bytes());
+            } else {
+                body.extend_from_slice(v);
+            }
+            body.push(0);
+        }
+        if !seen {
+            body.extend_from_slice(b"database\0");
+            body.extend_from_slice(database.as_bytes());
+            body.push(0);
+        }
+        body.push(0);
+        let mut packet = ((body.len() + 4) as u32).to_be_bytes().to_vec();
+        packet.extend(body);
+        packet
+    }
+
     /// The user name (required by PostgreSQL).
     pub fn user(&self) -> String {
         self.param_str("user").unwrap_or_default()

@@ -61,7 +61,16 @@ impl Session {
     #[inline]
     fn forward(&mut self, frame: &[u8], request: Request) {
         self.to_server.extend_from_slice(frame);
+        self.sent(request);
         self.replies.push(request, super::replies::Origin::Client);
+    }
+
+    /// Notes when a client request that ends in ReadyForQuery went upstream.
+    #[inline]
+    fn sent(&mut self, request: Request) {
+        if request.is_sync_point() {
+            self.sync_sent.push_back(std::time::Instant::now());
+        }
     }
 
     fn prepared(&mut self, sql: &[u8]) -> Arc<Prepared> {
@@ -185,6 +194,8 @@ impl Session {
         }
         Stats::add(&self.shared.stats.checks);
         self.tx.directives.clear();
+        self.check_sent = Some(std::time::Instant::now());
+        self.sent(Request::Query);
         msg::query(&mut self.to_server, &text);
         self.replies.push_query(QueryPlan {
             checks,
@@ -223,6 +234,7 @@ impl Session {
         // A transaction is open: make it fail upstream exactly as the client is told.
         let mut text = Vec::with_capacity(128);
         fence_core::sql::fast_reject_literal(resource.as_str(), token.get(), fence, &mut text);
+        self.sent(Request::Query);
         msg::query(&mut self.to_server, &text);
         self.replies.push_query(QueryPlan {
             checks: Vec::new(),

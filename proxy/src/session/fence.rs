@@ -11,6 +11,7 @@ use fence_core::token::{Resource, Token};
 use pgfence_config::Config;
 use tracing::{info, warn};
 
+use crate::metrics::{CheckLabels, RejectionLabels, ResourceLabel};
 use crate::protocol::message as msg;
 use crate::protocol::startup::{options_settings, Startup};
 use crate::state::{RejectionRecord, Stats};
@@ -171,6 +172,7 @@ impl Session {
         self.replies
             .push(Request::Close, Origin::Injected(Injected::Check));
         self.tx.directives.clear();
+        self.check_sent = Some(std::time::Instant::now());
         Stats::add(&self.shared.stats.checks);
     }
 
@@ -215,10 +217,37 @@ impl Session {
     }
 
     /// Learns fences from a check's result (`resource=token,...`).
-    pub(super) fn observe_check_result(&self, value: &[u8]) {
+    pub(super) fn observe_check_result(&mut self, value: Option<&[u8]>) {
+        self.observe_check_latency();
+        let metrics = &self.shared.metrics;
+        let Some(value) = value else {
+            metrics
+                .checks
+                .get_or_create(&CheckLabels {
+                    resource: String::new(),
+                    outcome: "unfenced",
+                })
+                .inc();
+            return;
+        };
         for (resource, token) in sql::parse_check_result(value) {
             let before = self.shared.fences.get(&resource);
             self.shared.fences.observe(&resource, token);
+            metrics
+                .checks
+                .get_or_create(&CheckLabels {
+                    resource: resource.clone(),
+                    outcome: "accepted",
+                })
+                .inc();
+            if before.is_none_or(|b| b < token) {
+                metrics
+                    .fence_token
+                    .get_or_create(&ResourceLabel {
+                        resource: resource.clone(),
+                    })
+                    .set(token);
+            }
             if before.is_none_or(|b| b < token) {
                 info!(
                     resource = %resource,
@@ -231,10 +260,34 @@ impl Session {
         }
     }
 
+    /// Records how long the check in flight took.
+    pub(super) fn observe_check_latency(&mut self) {
+        if let Some(sent) = self.check_sent.take() {
+            self.shared
+                .metrics
+                .check_latency
+                .observe(sent.elapsed().as_secs_f64());
+        }
+    }
+
     /// Reports a rejection once: log event, metrics, `SHOW REJECTIONS`; learns the fence.
     pub(super) fn report_rejection(&self, rejection: &Rejection, path: &'static str) {
         if let (Some(resource), Some(fence)) = (&rejection.resource, rejection.fence) {
-            self.shared.fences.observe(resource, fence);
+            if self
+                .shared
+                .fences
+                .get(resource)
+                .is_none_or(|known| known < fence)
+            {
+                self.shared.fences.observe(resource, fence);
+                self.shared
+                    .metrics
+                    .fence_token
+                    .get_or_create(&ResourceLabel {
+                        resource: resource.clone(),
+                    })
+                    .set(fence);
+            }
         }
         let statement = self
             .last_sql
@@ -258,6 +311,22 @@ impl Session {
             "fence rejected"
         );
         self.shared.stats.rejections.fetch_add(1, Ordering::Relaxed);
+        let metrics = &self.shared.metrics;
+        metrics
+            .rejections
+            .get_or_create(&RejectionLabels {
+                resource: resource.clone(),
+                reason: rejection.reason.as_str(),
+                path,
+            })
+            .inc();
+        metrics
+            .checks
+            .get_or_create(&CheckLabels {
+                resource: resource.clone(),
+                outcome: "rejected",
+            })
+            .inc();
         if path == "fast" {
             self.shared
                 .stats

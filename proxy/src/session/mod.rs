@@ -15,7 +15,7 @@ pub mod tx;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::{Instant, SystemTime};
 
 use bytes::{Buf, BytesMut};
 use fence_core::classify::Analysis;
@@ -54,6 +54,8 @@ enum Phase {
     Auth,
     /// Normal traffic.
     Ready,
+    /// The admin console (virtual database `pgfence`).
+    Admin,
 }
 
 /// A client message held back until pgfence's own check is answered.
@@ -100,8 +102,10 @@ pub(crate) async fn serve(client: TcpStream, peer: SocketAddr, shared: Arc<Share
         match outcome {
             Ok(()) => debug!("client disconnected"),
             Err(e) => {
-                if matches!(e.side(), crate::error::Side::Server) {
-                    crate::state::Stats::add(&shared.stats.upstream_errors);
+                if matches!(e.side(), crate::error::Side::Server)
+                    && !matches!(e, SessionError::UpstreamConnect { .. })
+                {
+                    shared.upstream_error();
                 }
                 debug!(error = %e, side = ?e.side(), "session ended with an error");
             }
@@ -148,11 +152,15 @@ async fn run_session(
     if let Some(limit) = shared.too_many_clients(&config) {
         return tell_client(&mut client, SessionError::TooManyClients(limit)).await;
     }
+    let admin = startup.database() == crate::admin::DATABASE;
+    if admin && !config.admin.users.contains(&startup.user()) {
+        return tell_client(&mut client, SessionError::NotAdmin(startup.user())).await;
+    }
     let upstream_name = config.upstream.to_string();
     let server = match connect_upstream(&config).await {
         Ok(s) => s,
         Err(reason) => {
-            crate::state::Stats::add(&shared.stats.upstream_errors);
+            shared.upstream_error();
             warn!(upstream = %upstream_name, %reason, "cannot connect to upstream");
             return tell_client(
                 &mut client,
@@ -165,9 +173,20 @@ async fn run_session(
         }
     };
     let upstream_addr = server.peer_addr().map_err(SessionError::ServerIo)?;
+    shared.metrics.upstream_connections.inc();
+    let _upstream = scopeguard(|| {
+        shared.metrics.upstream_connections.dec();
+    });
     let mut session = Session::new(shared.clone(), config, id, peer, &startup, upstream_addr);
-    // The startup packet goes upstream exactly as the client sent it.
-    session.to_server.extend_from_slice(&cbuf[..packet_len]);
+    if admin {
+        // The console logs in to the upstream server, which checks the password.
+        session.admin = true;
+        let packet = startup.encode_with_database(&session.shared.config().admin.database);
+        session.to_server.extend_from_slice(&packet);
+    } else {
+        // The startup packet goes upstream exactly as the client sent it.
+        session.to_server.extend_from_slice(&cbuf[..packet_len]);
+    }
     cbuf.advance(packet_len);
     crate::state::Stats::add(&shared.stats.clients_total);
     let result = session.run(client, server, cbuf, stop).await;
@@ -243,6 +262,8 @@ pub(crate) struct Session {
     shared: Arc<Shared>,
     id: u64,
     phase: Phase,
+    /// This is an admin console session.
+    admin: bool,
     /// Who is connected, for logs, rejections and `SHOW CLIENTS`.
     client_addr: String,
     user: String,
@@ -272,6 +293,10 @@ pub(crate) struct Session {
     check_failed: bool,
     /// The latest statement text the client sent, for rejection logs.
     last_sql: Option<Arc<Prepared>>,
+    /// When each client Query, Sync or FunctionCall still in flight was sent (latency).
+    sync_sent: std::collections::VecDeque<Instant>,
+    /// When the check in flight was sent (latency).
+    check_sent: Option<Instant>,
 }
 
 impl Session {
@@ -293,6 +318,7 @@ impl Session {
             shared,
             id,
             phase: Phase::Auth,
+            admin: false,
             client_addr: peer.to_string(),
             user,
             database,
@@ -312,6 +338,8 @@ impl Session {
             discard_until_sync: None,
             check_failed: false,
             last_sql: None,
+            sync_sent: std::collections::VecDeque::new(),
+            check_sent: None,
         }
     }
 
@@ -437,6 +465,7 @@ impl Session {
             flow = match self.phase {
                 Phase::Auth => self.on_auth_client_frame(tag, frame)?,
                 Phase::Ready => self.on_client_frame(tag, frame)?,
+                Phase::Admin => self.on_admin_frame(tag, frame)?,
             };
             if flow == Flow::Hold {
                 break;
@@ -460,6 +489,8 @@ impl Session {
             match self.phase {
                 Phase::Auth => self.on_auth_server_frame(tag, frame)?,
                 Phase::Ready => self.on_server_frame(tag, frame)?,
+                // Only SHOW FENCES asks the server: its replies go to the client as they are.
+                Phase::Admin => self.to_client.extend_from_slice(frame),
             }
             at += len;
         }
@@ -503,7 +534,11 @@ impl Session {
                 tracing::Span::current().record("backend_pid", pid);
             }
             b'Z' => {
-                self.phase = Phase::Ready;
+                self.phase = if self.admin {
+                    Phase::Admin
+                } else {
+                    Phase::Ready
+                };
                 self.tx
                     .on_ready(crate::protocol::message::ready_status(frame), true);
                 self.to_client.extend_from_slice(frame);
@@ -526,6 +561,44 @@ impl Session {
         Ok(())
     }
 
+    /// A message to the admin console.
+    fn on_admin_frame(&mut self, tag: u8, frame: &[u8]) -> Result<Flow, SessionError> {
+        match tag {
+            b'Q' => {
+                let sql = crate::protocol::message::query_text(frame)
+                    .ok_or(SessionError::MalformedClientMessage("Query"))?;
+                match crate::admin::answer(&self.shared, sql, &mut self.to_client) {
+                    crate::admin::Answer::Upstream(sql) => {
+                        crate::protocol::message::query(&mut self.to_server, sql)
+                    }
+                    crate::admin::Answer::Done => {}
+                }
+                Ok(Flow::Continue)
+            }
+            b'X' => Ok(Flow::Terminate),
+            b'S' => {
+                crate::protocol::message::ready_for_query(&mut self.to_client, b'I');
+                Ok(Flow::Continue)
+            }
+            b'H' => Ok(Flow::Continue),
+            b'P' | b'B' | b'D' | b'E' | b'C' => {
+                crate::protocol::message::error_response(
+                    &mut self.to_client,
+                    &crate::protocol::message::ErrorMessage {
+                        severity: "ERROR",
+                        code: "0A000",
+                        message:
+                            "the pgfence admin console supports the simple query protocol only",
+                        detail: None,
+                        hint: Some("Use psql, or simple_query in your driver."),
+                    },
+                );
+                Ok(Flow::Continue)
+            }
+            _ => Err(SessionError::UnexpectedClientMessage(tag as char)),
+        }
+    }
+
     /// Cleans up shared state when the session ends.
     fn finish(&mut self) {
         if let Some((pid, key)) = self.client_key.take() {
@@ -533,4 +606,17 @@ impl Session {
         }
         self.shared.clients.remove(&self.id);
     }
+}
+
+/// Runs `f` when dropped.
+struct Defer<F: FnMut()>(F);
+
+impl<F: FnMut()> Drop for Defer<F> {
+    fn drop(&mut self) {
+        (self.0)()
+    }
+}
+
+fn scopeguard<F: FnMut()>(f: F) -> Defer<F> {
+    Defer(f)
 }

@@ -44,9 +44,7 @@ impl Session {
                     if p.origin == Origin::Injected(Injected::Check)
                         || (p.request == Request::Query && p.plan.in_check()) =>
                 {
-                    if let Some(value) = msg::first_column(frame) {
-                        self.observe_check_result(value);
-                    }
+                    self.observe_check_result(msg::first_column(frame));
                 }
                 _ => self.forward_if_client(frame),
             },
@@ -145,6 +143,7 @@ impl Session {
             self.fence.fast_reject_prepared = false;
         }
         if from_check {
+            self.observe_check_latency();
             if fields.code == IN_FAILED_TRANSACTION {
                 // The transaction had failed before: its COMMIT rolls back as usual.
                 return;
@@ -190,6 +189,12 @@ impl Session {
             }
             _ => {
                 self.check_failed = false;
+                if let Some(sent) = self.sync_sent.pop_front() {
+                    self.shared
+                        .metrics
+                        .query_latency
+                        .observe(sent.elapsed().as_secs_f64());
+                }
                 self.to_client.extend_from_slice(frame);
             }
         }
