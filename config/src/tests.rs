@@ -121,3 +121,11 @@ fn overrides_win_over_the_file_and_survive_reload() {
     assert!(source.load().is_err());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn docker_compose_config_parses() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/pgfence.toml");
+    let config = Config::from_file(&path).expect("deploy/pgfence.toml must parse");
+    assert_eq!(config.upstream.host, "postgres");
+    assert!(config.fence.install.is_some());
+}
