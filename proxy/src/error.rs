@@ -43,6 +43,8 @@ pub enum SessionError {
     TooManyClients(usize),
     #[error("pgfence is shutting down")]
     Shutdown,
+    #[error("client_encoding {0} is not supported through pgfence: its multi-byte characters can hide statement boundaries from the fence")]
+    UnsupportedEncoding(String),
     #[error("user {0:?} may not use the pgfence admin console (admin.users)")]
     NotAdmin(String),
     #[error("the client sent data before pgfence answered its encryption request")]
@@ -66,7 +68,8 @@ impl SessionError {
             | SessionError::UpstreamConnect { .. } => Side::Server,
             SessionError::TooManyClients(_)
             | SessionError::Shutdown
-            | SessionError::NotAdmin(_) => Side::Proxy,
+            | SessionError::NotAdmin(_)
+            | SessionError::UnsupportedEncoding(_) => Side::Proxy,
         }
     }
 
@@ -74,8 +77,11 @@ impl SessionError {
     fn sqlstate(&self) -> &'static str {
         match self {
             SessionError::TooManyClients(_) => "53300",
+            SessionError::UnsupportedEncoding(_) => "0A000",
             SessionError::NotAdmin(_) => "28000",
             SessionError::Shutdown => "57P01",
+            // feature_not_supported, as PostgreSQL answers an unsupported version.
+            SessionError::Startup(StartupError::Version { .. }) => "0A000",
             SessionError::UpstreamConnect { .. } | SessionError::ServerIo(_) => "08006",
             SessionError::Startup(_)
             | SessionError::ClientFrame(_)
@@ -109,6 +115,16 @@ impl SessionError {
     /// Appends the FATAL ErrorResponse that tells the client why its session ends.
     pub fn to_client(&self, out: &mut BytesMut) {
         let message = self.to_string();
+        if let SessionError::Startup(StartupError::Version { major, .. }) = self {
+            if *major < 3 {
+                // A protocol 2 client reads errors in that protocol's format, as PostgreSQL
+                // sends them: `E`, then the text, NUL-terminated, no length.
+                out.extend_from_slice(b"E");
+                out.extend_from_slice(format!("FATAL:  {message}\n").as_bytes());
+                out.extend_from_slice(b"\0");
+                return;
+            }
+        }
         error_response(
             out,
             &ErrorMessage {

@@ -1,3 +1,4 @@
+use super::scan::{lower, MAX_WORD_LEN};
 use super::StatementKind::*;
 use super::*;
 
@@ -170,6 +171,41 @@ fn read_only_selects() {
         ("DECLARE c CURSOR WITH HOLD FOR SELECT * FROM t", ReadOnly),
         ("SELECT $1, $2::text", ReadOnly),
         ("SELECT * FROM t FOR", ReadOnly),
+        (
+            "SELECT \"t\".\"a\" FROM \"t\" WHERE \"t\".\"b\" IN (SELECT \"u\".\"b\" FROM \"u\") \
+             LIMIT $1 OFFSET $2",
+            ReadOnly,
+        ),
+        (
+            "SELECT CURRENT_DATE, CURRENT_USER, EXISTS(SELECT 1 FROM t)",
+            ReadOnly,
+        ),
+        (
+            "SELECT * FROM t WHERE a BETWEEN SYMMETRIC (1) AND 2",
+            ReadOnly,
+        ),
+        (
+            "SELECT * FROM t1 NATURAL JOIN (t2) CROSS JOIN LATERAL (SELECT 1) x",
+            ReadOnly,
+        ),
+        (
+            "SELECT * FROM t WHERE x IS DISTINCT FROM (1) AND a = ANY(ARRAY[1, 2])",
+            ReadOnly,
+        ),
+        (
+            "SELECT a COLLATE \"C\", ARRAY[1, 2]::int[], t.* FROM t",
+            ReadOnly,
+        ),
+        (
+            "SELECT (SELECT max(a) FROM t) AS m, COUNT(DISTINCT a) FROM t",
+            ReadOnly,
+        ),
+        (
+            "SELECT x FROM t WHERE z LIKE $2 ESCAPE '!' AND ts > now() - interval '1 h'",
+            ReadOnly,
+        ),
+        ("SELECT json_agg(t) FROM t GROUP BY CUBE (a, b)", ReadOnly),
+        ("SELECT pg_catalog . count /* c */ (*) FROM t", ReadOnly),
     ]);
 }
 
@@ -228,6 +264,12 @@ fn writing_selects() {
         ("DECLARE c CURSOR FOR SELECT f()", MayWrite),
         ("(SELECT f())", MayWrite),
         ("SELECT update FROM t", MayWrite),
+        ("SELECT pg_advisory_xact_lock(1)", MayWrite),
+        ("SELECT lo_import('/etc/passwd')", MayWrite),
+        ("SELECT \"public\".\"lower\"(x)", MayWrite),
+        ("SELECT x FROM t WHERE y IN (SELECT f(z))", MayWrite),
+        ("SELECT 1 FROM t WHERE a LIKE (b) AND like(c)", MayWrite),
+        ("SELECT (x).f(1) FROM t", MayWrite),
     ]);
 }
 
@@ -305,10 +347,7 @@ fn non_transactional() {
         ("CLUSTER (VERBOSE)", NonTransactional),
         ("CLUSTER t USING i", MayWrite),
         ("CALL my_proc(1)", NonTransactional),
-        (
-            "DO $$ BEGIN INSERT INTO t VALUES (1); COMMIT; END $$",
-            NonTransactional,
-        ),
+        ("DO $$ BEGIN INSERT INTO t VALUES (1); COMMIT; END $$", MayWrite),
         ("ALTER DATABASE d SET TABLESPACE ts", NonTransactional),
         ("ALTER DATABASE d SET work_mem = '1MB'", MayWrite),
         (
@@ -355,7 +394,7 @@ fn splitting() {
 
     // Dollar-quoted DO body holds `;`.
     let sql = "DO $body$ BEGIN INSERT INTO t VALUES (1); END $body$; COMMIT";
-    assert_eq!(kinds(sql), vec![NonTransactional, Commit]);
+    assert_eq!(kinds(sql), vec![MayWrite, Commit]);
 
     // No split inside parentheses (a rule action list).
     let sql = "CREATE RULE r AS ON INSERT TO t DO ALSO (INSERT INTO u VALUES (1); \
@@ -461,6 +500,8 @@ fn mentions_fencing() {
         "SELECT $$fencing$$",
         "SELECT E'fenc\\x69ng.token'",
         "SET U&\"fenc\\0069ng\".token = 1",
+        "RESET ALL",
+        "discard all",
     ] {
         assert!(analyze(sql.as_bytes()).mentions_fencing, "{sql}");
     }

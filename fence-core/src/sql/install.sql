@@ -119,7 +119,7 @@ LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $stale$
 DECLARE
-    v_r text := pg_catalog.left(p_resource, 64);
+    v_r text := pg_catalog.translate(pg_catalog.left(p_resource, 64), pg_catalog.chr(34) || pg_catalog.chr(92), '??');
     v_f text := coalesce(p_fence::text, 'unknown');
 BEGIN
     RAISE EXCEPTION USING
@@ -223,7 +223,7 @@ BEGIN
                 ERRCODE = 'FN003',
                 MESSAGE = pg_catalog.format(
                     'fencing token %s has no resource: set fencing.resource or add fencing_resource to the comment',
-                    pg_catalog.left(v_t, 64)),
+                    pg_catalog.translate(pg_catalog.left(v_t, 64), pg_catalog.chr(34) || pg_catalog.chr(92), '??')),
                 DETAIL = 'This transaction was rolled back.',
                 HINT = 'Fencing tokens are integers from 0 to 9223372036854775807; resources are 1 to 63 characters from [A-Za-z0-9_.:-].';
         END IF;
@@ -243,8 +243,8 @@ BEGIN
                 ERRCODE = 'FN003',
                 MESSAGE = pg_catalog.format(
                     'conflicting fencing tokens %s and %s for resource "%s" in one transaction',
-                    pg_catalog.left(v_raws[v_idx], 64), pg_catalog.left(v_t, 64),
-                    pg_catalog.left(v_r, 64)),
+                    pg_catalog.translate(pg_catalog.left(v_raws[v_idx], 64), pg_catalog.chr(34) || pg_catalog.chr(92), '??'), pg_catalog.translate(pg_catalog.left(v_t, 64), pg_catalog.chr(34) || pg_catalog.chr(92), '??'),
+                    pg_catalog.translate(pg_catalog.left(v_r, 64), pg_catalog.chr(34) || pg_catalog.chr(92), '??')),
                 DETAIL = 'This transaction was rolled back.',
                 HINT = 'A transaction belongs to one leader: use one token per resource.';
         END IF;
@@ -261,7 +261,7 @@ BEGIN
             ERRCODE = 'FN003',
             MESSAGE = pg_catalog.format(
                 'fencing token %s has no resource: set fencing.resource or add fencing_resource to the comment',
-                pg_catalog.left(v_t_s, 64)),
+                pg_catalog.translate(pg_catalog.left(v_t_s, 64), pg_catalog.chr(34) || pg_catalog.chr(92), '??')),
             DETAIL = 'This transaction was rolled back.',
             HINT = 'Fencing tokens are integers from 0 to 9223372036854775807; resources are 1 to 63 characters from [A-Za-z0-9_.:-].';
     END IF;
@@ -276,7 +276,7 @@ BEGIN
                 ERRCODE = 'FN003',
                 MESSAGE = pg_catalog.format(
                     'invalid fencing resource "%s": expected 1 to 63 characters from [A-Za-z0-9_.:-]',
-                    pg_catalog.left(v_r, 64)),
+                    pg_catalog.translate(pg_catalog.left(v_r, 64), pg_catalog.chr(34) || pg_catalog.chr(92), '??')),
                 DETAIL = 'This transaction was rolled back.',
                 HINT = 'Fencing tokens are integers from 0 to 9223372036854775807; resources are 1 to 63 characters from [A-Za-z0-9_.:-].';
         END IF;
@@ -299,7 +299,7 @@ BEGIN
                 ERRCODE = 'FN003',
                 MESSAGE = pg_catalog.format(
                     'invalid fencing token "%s" for resource "%s": expected an integer from 0 to 9223372036854775807',
-                    pg_catalog.left(v_t, 64), v_r),
+                    pg_catalog.translate(pg_catalog.left(v_t, 64), pg_catalog.chr(34) || pg_catalog.chr(92), '??'), v_r),
                 DETAIL = 'This transaction was rolled back.',
                 HINT = 'Fencing tokens are integers from 0 to 9223372036854775807; resources are 1 to 63 characters from [A-Za-z0-9_.:-].';
         END IF;

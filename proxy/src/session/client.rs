@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use fence_core::classify::{analyze, StatementKind};
+use fence_core::classify::{analyze_with, StatementKind};
 
 use crate::error::SessionError;
 use crate::protocol::message::{self as msg, Frontend};
@@ -74,7 +74,7 @@ impl Session {
     }
 
     fn prepared(&mut self, sql: &[u8]) -> Arc<Prepared> {
-        let analysis = analyze(sql);
+        let analysis = analyze_with(sql, self.lex);
         if analysis.mentions_fencing {
             self.fence.forget_session_token();
         }

@@ -12,12 +12,16 @@ use pgfence_config::Config;
 use tracing::{info, warn};
 
 use crate::metrics::{CheckLabels, RejectionLabels, ResourceLabel};
+use crate::error::SessionError;
 use crate::protocol::message as msg;
 use crate::protocol::startup::{options_settings, Startup};
 use crate::state::{RejectionRecord, Stats};
 
 use super::replies::{AfterCheck, Injected, Origin, Request};
 use super::Session;
+
+/// Client encodings pgfence cannot lex safely (see `on_parameter_status`).
+const UNSAFE_ENCODINGS: &[&str] = &["SJIS", "SHIFT_JIS_2004", "BIG5", "GBK", "UHC", "GB18030", "JOHAB"];
 
 /// pgfence's own prepared statement and portal names on the upstream connection.
 pub const CHECK_NAME: &[u8] = b"pgfence_check";
@@ -258,6 +262,30 @@ impl Session {
                 );
             }
         }
+    }
+
+    /// Follows the server settings that change how SQL text is lexed.
+    pub(super) fn on_parameter_status(&mut self, frame: &[u8]) -> Result<(), SessionError> {
+        let Some((name, rest)) = msg::cstr(msg::body(frame)) else {
+            return Ok(());
+        };
+        let value = msg::cstr(rest).map(|(v, _)| v).unwrap_or_default();
+        match name {
+            b"standard_conforming_strings" => {
+                self.lex.standard_conforming_strings = value != b"off";
+            }
+            b"client_encoding" => {
+                // In these encodings a multi-byte character may end in a byte that reads as
+                // `\` or `'`: statement boundaries found by pgfence's lexer could differ from
+                // the server's, and a COMMIT could slip past the check.
+                let name = String::from_utf8_lossy(value).to_ascii_uppercase();
+                if UNSAFE_ENCODINGS.contains(&name.as_str()) {
+                    return Err(SessionError::UnsupportedEncoding(name));
+                }
+            }
+            _ => {}
+        }
+        Ok(())
     }
 
     /// Records how long the check in flight took.

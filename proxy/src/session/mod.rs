@@ -39,6 +39,11 @@ use self::tx::TxState;
 const HIGH_WATER: usize = 1 << 20;
 /// Read buffer growth step.
 const READ_CHUNK: usize = 16 * 1024;
+/// Largest server message: `limits.max_message_size` protects pgfence from its clients, and
+/// must not cut off a result row PostgreSQL is willing to send (a field may hold 1 GB).
+const SERVER_MAX_MESSAGE: u32 = i32::MAX as u32;
+/// How long the last words to a client whose session fails may take to write.
+const FAIL_WRITE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// A statement the client prepared, or the one behind a portal.
 #[derive(Debug)]
@@ -232,15 +237,16 @@ async fn read_startup(client: &mut TcpStream, buf: &mut BytesMut) -> Result<Open
         match next_startup(buf)? {
             Some((StartupPacket::SslRequest | StartupPacket::GssEncRequest, n)) => {
                 buf.advance(n);
-                if !buf.is_empty() {
-                    // Bytes after an encryption request, before our answer: a client that
-                    // did not wait (or an attack on the plaintext downgrade).
-                    return Err(SessionError::EncryptionAfterStartup);
-                }
                 client
                     .write_all(b"N")
                     .await
                     .map_err(SessionError::ClientIo)?;
+                if !buf.is_empty() {
+                    // Bytes after an encryption request, before our answer: a client that
+                    // did not wait (or an attack on the plaintext downgrade). Answered `N`
+                    // and then refused, as PostgreSQL does.
+                    return Err(SessionError::EncryptionAfterStartup);
+                }
                 continue;
             }
             Some((StartupPacket::Cancel { pid, key }, _)) => {
@@ -291,6 +297,8 @@ pub(crate) struct Session {
     /// An injected check failed and its error was forwarded: the client's COMMIT that
     /// follows reports `ROLLBACK`, which the client must not see.
     check_failed: bool,
+    /// How to lex SQL text (follows `standard_conforming_strings`).
+    lex: fence_core::lexer::LexOptions,
     /// The latest statement text the client sent, for rejection logs.
     last_sql: Option<Arc<Prepared>>,
     /// When each client Query, Sync or FunctionCall still in flight was sent (latency).
@@ -338,6 +346,7 @@ impl Session {
             discard_until_sync: None,
             check_failed: false,
             last_sql: None,
+            lex: fence_core::lexer::LexOptions::default(),
             sync_sent: std::collections::VecDeque::new(),
             check_sent: None,
         }
@@ -361,9 +370,10 @@ impl Session {
         loop {
             if client_pending && self.hold != Hold::Waiting {
                 client_pending = false;
-                match self.on_client_bytes(&mut cbuf)? {
-                    Flow::Terminate => client_open = false,
-                    Flow::Hold | Flow::Continue => {}
+                match self.on_client_bytes(&mut cbuf) {
+                    Ok(Flow::Terminate) => client_open = false,
+                    Ok(Flow::Hold | Flow::Continue) => {}
+                    Err(e) => return Err(self.fail(&mut cw, e).await),
                 }
             }
             if !client_open && self.to_server.is_empty() {
@@ -392,12 +402,16 @@ impl Session {
                     let n = r.map_err(SessionError::ServerIo)?;
                     if n == 0 {
                         // The server closed: pass on whatever it said last.
-                        self.on_server_bytes(&mut sbuf)?;
+                        if let Err(e) = self.on_server_bytes(&mut sbuf) {
+                            return Err(self.fail(&mut cw, e).await);
+                        }
                         let _ = cw.write_all(&self.to_client).await;
                         return Err(SessionError::ServerIo(std::io::ErrorKind::UnexpectedEof.into()));
                     }
                     let was_waiting = self.hold == Hold::Waiting;
-                    self.on_server_bytes(&mut sbuf)?;
+                    if let Err(e) = self.on_server_bytes(&mut sbuf) {
+                        return Err(self.fail(&mut cw, e).await);
+                    }
                     if was_waiting && self.hold != Hold::Waiting {
                         client_pending = true;
                     }
@@ -445,6 +459,19 @@ impl Session {
         }
     }
 
+    /// Ends the session over invalid input from either side: the client gets what it is
+    /// already owed, then a FATAL error saying why (08P01 for its own protocol violations).
+    async fn fail(
+        &mut self,
+        cw: &mut tokio::net::tcp::WriteHalf<'_>,
+        e: SessionError,
+    ) -> SessionError {
+        e.to_client(&mut self.to_client);
+        // A client that does not read cannot hold the session task forever.
+        let _ = tokio::time::timeout(FAIL_WRITE_TIMEOUT, cw.write_all(&self.to_client)).await;
+        e
+    }
+
     /// Tells an idle client that pgfence is shutting down.
     async fn say_goodbye(&mut self, cw: &mut tokio::net::tcp::WriteHalf<'_>) -> SessionError {
         let e = SessionError::Shutdown;
@@ -483,7 +510,7 @@ impl Session {
     fn on_server_bytes(&mut self, buf: &mut BytesMut) -> Result<(), SessionError> {
         let mut at = 0;
         while let Some((tag, len)) =
-            next_frame(&buf[at..], self.max_message).map_err(SessionError::ServerFrame)?
+            next_frame(&buf[at..], SERVER_MAX_MESSAGE).map_err(SessionError::ServerFrame)?
         {
             let frame = &buf[at..at + len];
             match self.phase {
@@ -555,7 +582,11 @@ impl Session {
                 );
                 debug!(user = %self.user, database = %self.database, backend_pid = self.backend_pid, "session ready");
             }
-            b'R' | b'S' | b'E' | b'N' | b'v' => self.to_client.extend_from_slice(frame),
+            b'S' => {
+                self.on_parameter_status(frame)?;
+                self.to_client.extend_from_slice(frame);
+            }
+            b'R' | b'E' | b'N' | b'v' => self.to_client.extend_from_slice(frame),
             _ => return Err(SessionError::UnexpectedServerMessage(tag as char)),
         }
         Ok(())

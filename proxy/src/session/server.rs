@@ -19,7 +19,11 @@ impl Session {
             return Err(SessionError::UnexpectedServerMessage(tag as char));
         };
         match kind {
-            Backend::NoticeResponse | Backend::NotificationResponse | Backend::ParameterStatus => {
+            Backend::NoticeResponse | Backend::NotificationResponse => {
+                self.to_client.extend_from_slice(frame)
+            }
+            Backend::ParameterStatus => {
+                self.on_parameter_status(frame)?;
                 self.to_client.extend_from_slice(frame)
             }
             Backend::ParseComplete | Backend::BindComplete | Backend::CloseComplete => {

@@ -1,0 +1,548 @@
+//! The per-statement state of [`analyze`](super::analyze): the token-by-token facts, the
+//! call detection, and the classification by a statement's first words.
+
+use super::{words, Statement, StatementKind};
+use crate::lexer::{is_keyword, Tok, TokKind};
+
+/// How many top-level words of a statement are kept for classifying it by its head.
+const MAX_WORDS: usize = 6;
+
+/// The longest word compared with the word lists; longer words match none of them.
+pub(super) const MAX_WORD_LEN: usize = 32;
+
+/// Facts about a statement's text, gathered token by token; each is independent.
+#[derive(Debug, Clone, Copy, Default)]
+struct Seen {
+    /// A call to a function that is not on the allowlist.
+    call: bool,
+    into: bool,
+    /// `INSERT`, `UPDATE`, `DELETE` or `MERGE`.
+    dml: bool,
+    /// `FOR SHARE`, `FOR KEY SHARE`, `FOR NO KEY UPDATE` (`FOR UPDATE` counts as `UPDATE`).
+    lock: bool,
+    analyze: bool,
+    concurrently: bool,
+    tablespace: bool,
+    publication: bool,
+}
+
+/// Deciding whether `name(...)` was a call or the column list of a `WITH` query:
+/// `name(a, b) AS [[NOT] MATERIALIZED] (`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum MaybeColumns {
+    No,
+    /// Inside the parentheses, which opened at this depth.
+    List {
+        depth: u32,
+    },
+    AfterList,
+    AfterAs,
+    AfterNot,
+    AfterMaterialized,
+}
+
+/// The state of one statement while its tokens go by.
+pub(super) struct Scan<'a> {
+    sql: &'a [u8],
+    /// Range of the tokens seen, comments included.
+    span: Option<(usize, usize)>,
+    /// First directive index of this segment.
+    pub(super) directives_from: usize,
+    /// The first top-level words; a parenthesised group counts as one word `(`.
+    words: [Tok; MAX_WORDS],
+    n_words: usize,
+    /// Non-comment tokens so far.
+    n_tokens: usize,
+    depth: u32,
+    /// Nesting of `BEGIN ATOMIC` (and `CASE` inside it) in a routine body.
+    atomic_depth: u32,
+    /// The last three non-comment tokens, latest first.
+    prev: [Option<Tok>; 3],
+    seen: Seen,
+    columns: MaybeColumns,
+}
+
+const NO_TOK: Tok = Tok {
+    kind: TokKind::Other,
+    start: 0,
+    end: 0,
+};
+
+impl<'a> Scan<'a> {
+    pub(super) fn new(sql: &'a [u8], directives_from: usize) -> Self {
+        Scan {
+            sql,
+            span: None,
+            directives_from,
+            words: [NO_TOK; MAX_WORDS],
+            n_words: 0,
+            n_tokens: 0,
+            depth: 0,
+            atomic_depth: 0,
+            prev: [None; 3],
+            seen: Seen::default(),
+            columns: MaybeColumns::No,
+        }
+    }
+
+    /// Ready for the next segment, keeping the buffers (cheaper than a new `Scan`).
+    pub(super) fn reset(&mut self, directives_from: usize) {
+        self.span = None;
+        self.directives_from = directives_from;
+        self.n_words = 0;
+        self.n_tokens = 0;
+        self.depth = 0;
+        self.atomic_depth = 0;
+        self.prev = [None; 3];
+        self.seen = Seen::default();
+        self.columns = MaybeColumns::No;
+    }
+
+    /// The first top-level words recorded.
+    fn words(&self) -> &[Tok] {
+        &self.words[..self.n_words.min(MAX_WORDS)]
+    }
+
+    pub(super) fn at_top_level(&self) -> bool {
+        self.depth == 0 && self.atomic_depth == 0
+    }
+
+    pub(super) fn extend(&mut self, tok: Tok) {
+        self.span = Some(match self.span {
+            None => (tok.start, tok.end),
+            Some((start, _)) => (start, tok.end),
+        });
+    }
+
+    fn text(&self, tok: Tok) -> &'a [u8] {
+        tok.text(self.sql)
+    }
+
+    fn word(&self, i: usize) -> &'a [u8] {
+        self.words().get(i).map_or(b"", |&t| self.text(t))
+    }
+
+    fn word_is(&self, i: usize, keyword: &str) -> bool {
+        is_keyword(self.word(i), keyword)
+    }
+
+    pub(super) fn feed(&mut self, tok: Tok) {
+        self.extend(tok);
+        let mut buf = [0u8; MAX_WORD_LEN];
+        let lower = match tok.kind {
+            TokKind::Ident => lower(self.text(tok), &mut buf),
+            _ => &[],
+        };
+        self.advance_columns(tok, lower);
+        match tok.kind {
+            TokKind::Ident => self.note_word(lower),
+            TokKind::LParen => self.note_lparen(),
+            _ => {}
+        }
+        if self.depth == 0 && self.n_words < MAX_WORDS && tok.kind != TokKind::RParen {
+            self.words[self.n_words] = tok;
+        }
+        if self.depth == 0 && tok.kind != TokKind::RParen {
+            self.n_words += 1;
+        }
+        match tok.kind {
+            TokKind::LParen => self.depth += 1,
+            TokKind::RParen => self.depth = self.depth.saturating_sub(1),
+            _ => {}
+        }
+        if self.columns == (MaybeColumns::List { depth: self.depth }) && tok.kind == TokKind::RParen
+        {
+            self.columns = MaybeColumns::AfterList;
+        }
+        self.prev = [Some(tok), self.prev[0], self.prev[1]];
+        self.n_tokens += 1;
+    }
+
+    /// Facts carried by a word anywhere in the statement.
+    fn note_word(&mut self, w: &[u8]) {
+        match w {
+            b"into" => self.seen.into = true,
+            b"insert" | b"delete" | b"merge" => self.seen.dml = true,
+            // `UPDATE` also ends `FOR UPDATE` and `FOR NO KEY UPDATE`.
+            b"update" => self.seen.dml = true,
+            b"share" | b"key" | b"no" if self.prev_is_keyword(0, "for") => self.seen.lock = true,
+            b"analyze" | b"analyse" => self.seen.analyze = true,
+            b"concurrently" => self.seen.concurrently = true,
+            b"tablespace" => self.seen.tablespace = true,
+            b"publication" => self.seen.publication = true,
+            b"atomic"
+                if self.depth == 0
+                    && self.prev_is_keyword(0, "begin")
+                    && self.is_create_routine() =>
+            {
+                self.atomic_depth += 1;
+            }
+            b"case" if self.depth == 0 && self.atomic_depth > 0 => self.atomic_depth += 1,
+            b"end" if self.depth == 0 && self.atomic_depth > 0 => self.atomic_depth -= 1,
+            _ => {}
+        }
+    }
+
+    fn prev_is_keyword(&self, i: usize, keyword: &str) -> bool {
+        self.prev[i].is_some_and(|t| t.kind == TokKind::Ident && is_keyword(self.text(t), keyword))
+    }
+
+    fn prev_is_byte(&self, i: usize, text: &[u8]) -> bool {
+        self.prev[i].is_some_and(|t| t.kind == TokKind::Other && self.text(t) == text)
+    }
+
+    /// `CREATE [OR REPLACE] FUNCTION|PROCEDURE`, whose `BEGIN ATOMIC` body holds `;`.
+    fn is_create_routine(&self) -> bool {
+        let routine = |i| self.word_is(i, "function") || self.word_is(i, "procedure");
+        self.word_is(0, "create")
+            && (routine(1) || (self.word_is(1, "or") && self.word_is(2, "replace") && routine(3)))
+    }
+
+    /// A `(`: decides whether the token before it makes a function call.
+    fn note_lparen(&mut self) {
+        let Some(name) = self.prev[0] else {
+            return;
+        };
+        // A statement never starts with a call: `EXPLAIN (`, `VACUUM (`, `VALUES (`.
+        // `PREPARE name(int, text) AS` declares parameter types.
+        if self.n_tokens == 1 || (self.n_tokens == 2 && self.word_is(0, "prepare")) {
+            return;
+        }
+        let call = match name.kind {
+            TokKind::Ident => self.ident_call(name),
+            TokKind::QuotedIdent => self.quoted_call(name),
+            _ => Call::Grammar,
+        };
+        match call {
+            Call::Grammar | Call::Allowed => {}
+            Call::Unknown => self.seen.call = true,
+            Call::MaybeColumns => match self.columns {
+                MaybeColumns::No => self.columns = MaybeColumns::List { depth: self.depth },
+                _ => self.seen.call = true,
+            },
+        }
+    }
+
+    fn ident_call(&self, name: Tok) -> Call {
+        let mut buf = [0u8; MAX_WORD_LEN];
+        let w = lower(self.text(name), &mut buf);
+        if let Some(call) = self.qualified_call(words::is_allowed_function(w)) {
+            return call;
+        }
+        if self.prev_is_byte(1, b"::") || self.prev_is_keyword(1, "as") {
+            return Call::Grammar; // a type modifier or a column list
+        }
+        if words::is_reserved(w) || words::is_col_name_keyword(w) {
+            return Call::Grammar;
+        }
+        let mut before_buf = [0u8; MAX_WORD_LEN];
+        let before: &[u8] = match self.prev[1] {
+            Some(t) if t.kind == TokKind::RParen => b")",
+            Some(t) if t.kind == TokKind::Ident => lower(self.text(t), &mut before_buf),
+            _ => b"",
+        };
+        if words::is_grammar_after(before, w) {
+            return Call::Grammar;
+        }
+        // `a LIKE (`, `a NOT LIKE (`, `a JOIN (`, `a LEFT JOIN (`.
+        let infix = words::is_infix_keyword(w)
+            && (self.follows_operand(1)
+                || (before == b"not"
+                    && matches!(w, b"like" | b"ilike")
+                    && self.follows_operand(2))
+                || (w == b"join" && words::is_join_lead(before)));
+        if infix {
+            return Call::Grammar;
+        }
+        if words::is_allowed_function(w) {
+            return Call::Allowed;
+        }
+        self.unknown_or_columns()
+    }
+
+    fn quoted_call(&self, name: Tok) -> Call {
+        let text = self.text(name);
+        // `"count"` is count; `U&"..."` and `"a""b"` are never on the list.
+        let allowed = text
+            .strip_prefix(b"\"")
+            .and_then(|t| t.strip_suffix(b"\""))
+            .is_some_and(|inner| !inner.contains(&b'"') && words::is_allowed_function(inner));
+        if let Some(call) = self.qualified_call(allowed) {
+            return call;
+        }
+        if self.prev_is_byte(1, b"::") || self.prev_is_keyword(1, "as") {
+            return Call::Grammar;
+        }
+        if allowed {
+            return Call::Allowed;
+        }
+        self.unknown_or_columns()
+    }
+
+    /// For `qualifier.name(`: allowed only for `pg_catalog` and a listed name.
+    fn qualified_call(&self, allowed_name: bool) -> Option<Call> {
+        if !self.prev_is_byte(1, b".") {
+            return None;
+        }
+        let pg_catalog = self.prev[2].is_some_and(|q| match q.kind {
+            TokKind::Ident => is_keyword(self.text(q), "pg_catalog"),
+            TokKind::QuotedIdent => self.text(q) == b"\"pg_catalog\"",
+            _ => false,
+        });
+        Some(if pg_catalog && allowed_name {
+            Call::Allowed
+        } else {
+            Call::Unknown
+        })
+    }
+
+    /// Whether `prev[i]` ends an operand, so that a keyword after it is infix.
+    fn follows_operand(&self, i: usize) -> bool {
+        self.prev[i].is_some_and(|t| match t.kind {
+            TokKind::Number | TokKind::String | TokKind::Param | TokKind::QuotedIdent => true,
+            TokKind::RParen => true,
+            TokKind::Other => self.text(t) == b"]",
+            TokKind::Ident => {
+                let mut buf = [0u8; MAX_WORD_LEN];
+                !words::is_reserved(lower(self.text(t), &mut buf))
+            }
+            _ => false,
+        })
+    }
+
+    /// After `WITH`, `RECURSIVE` or `,` a `name(` may be a `WITH` query's column list.
+    fn unknown_or_columns(&self) -> Call {
+        if self.prev_is_keyword(1, "with")
+            || self.prev_is_keyword(1, "recursive")
+            || self.prev_is_byte(1, b",")
+        {
+            Call::MaybeColumns
+        } else {
+            Call::Unknown
+        }
+    }
+
+    /// Moves the `WITH` column-list decision along; whatever breaks the pattern was a call.
+    fn advance_columns(&mut self, tok: Tok, w: &[u8]) {
+        use MaybeColumns::*;
+        let next = match self.columns {
+            No => return,
+            List { .. } => match tok.kind {
+                TokKind::Ident | TokKind::QuotedIdent | TokKind::RParen => return,
+                TokKind::Other if self.text(tok) == b"," => return,
+                _ => None,
+            },
+            AfterList => (w == b"as").then_some(AfterAs),
+            AfterAs => match (tok.kind, w) {
+                (TokKind::LParen, _) => Some(No),
+                (_, b"materialized") => Some(AfterMaterialized),
+                (_, b"not") => Some(AfterNot),
+                _ => None,
+            },
+            AfterNot => (w == b"materialized").then_some(AfterMaterialized),
+            AfterMaterialized => (tok.kind == TokKind::LParen).then_some(No),
+        };
+        self.columns = next.unwrap_or_else(|| {
+            self.seen.call = true;
+            No
+        });
+    }
+
+    /// The statement, or `None` if there was nothing but comments.
+    pub(super) fn finish(&mut self, directives_end: usize) -> Option<Statement> {
+        let (start, end) = self.span?;
+        if self.n_tokens == 0 {
+            return None;
+        }
+        if self.columns != MaybeColumns::No {
+            self.seen.call = true;
+        }
+        Some(Statement {
+            start,
+            end,
+            kind: self.kind(),
+            directives: self.directives_from..directives_end,
+        })
+    }
+
+    fn kind(&self) -> StatementKind {
+        use StatementKind::*;
+        let Some(&head) = self.words().first() else {
+            return MayWrite; // starts with `)`
+        };
+        if head.kind == TokKind::LParen {
+            return self.select_rules();
+        }
+        if head.kind != TokKind::Ident {
+            return MayWrite;
+        }
+        let mut buf = [0u8; MAX_WORD_LEN];
+        match lower(self.text(head), &mut buf) {
+            b"select" | b"values" | b"table" | b"with" | b"declare" => self.select_rules(),
+            b"show" | b"set" | b"reset" | b"listen" | b"unlisten" | b"close" => ReadOnly,
+            b"explain" => self.explain(),
+            b"prepare" => self.prepare(),
+            b"begin" => Begin,
+            b"start" if self.word_is(1, "transaction") => Begin,
+            b"commit" if self.word_is(1, "prepared") => NonTransactional,
+            b"commit" | b"end" => Commit,
+            b"rollback" if self.word_is(1, "prepared") => NonTransactional,
+            b"rollback" => {
+                let work = self.word_is(1, "work") || self.word_is(1, "transaction");
+                if self.word_is(1, "to") || (work && self.word_is(2, "to")) {
+                    RollbackToSavepoint
+                } else {
+                    Rollback
+                }
+            }
+            b"abort" => Rollback,
+            b"savepoint" | b"release" => Savepoint,
+            b"discard" if self.word_is(1, "all") || self.word_is(1, "plans") => Discard,
+            b"deallocate" => Discard,
+            // DO is an ordinary statement: when pgfence adds its check after it, a DO that
+            // COMMITs inside fails ("invalid transaction termination") instead of committing
+            // unfenced writes, so its writes are fenced atomically.
+            b"vacuum" | b"call" => NonTransactional,
+            b"create" | b"drop" => self.create_or_drop(),
+            b"alter" => self.alter(),
+            b"reindex" => self.reindex(),
+            b"cluster" => self.cluster(),
+            _ => MayWrite,
+        }
+    }
+
+    /// `RESET ALL` and `DISCARD ALL` reset `fencing.token` without naming it.
+    pub(super) fn resets_all_settings(&self) -> bool {
+        (self.word_is(0, "reset") || self.word_is(0, "discard")) && self.word_is(1, "all")
+    }
+
+    fn select_rules(&self) -> StatementKind {
+        let Seen {
+            call,
+            into,
+            dml,
+            lock,
+            ..
+        } = self.seen;
+        if call || into || dml || lock {
+            StatementKind::MayWrite
+        } else {
+            StatementKind::ReadOnly
+        }
+    }
+
+    fn explain(&self) -> StatementKind {
+        let inner = self
+            .words()
+            .iter()
+            .skip(1)
+            .find(|t| t.kind != TokKind::LParen && !is_keyword(self.text(**t), "verbose"));
+        let executes = inner.is_some_and(|&t| is_keyword(self.text(t), "execute"));
+        if self.seen.analyze || self.seen.call || executes {
+            StatementKind::MayWrite
+        } else {
+            StatementKind::ReadOnly
+        }
+    }
+
+    fn prepare(&self) -> StatementKind {
+        let words = self.words();
+        let gid = words.get(2).is_some_and(|t| t.kind == TokKind::String);
+        if self.word_is(1, "transaction") && gid {
+            return StatementKind::PrepareTransaction;
+        }
+        let inner = (2..words.len().saturating_sub(1))
+            .find(|&i| self.word_is(i, "as"))
+            .map(|i| words[i + 1]);
+        let select_like = inner.is_some_and(|t| {
+            t.kind == TokKind::LParen
+                || ["select", "values", "table", "with"]
+                    .iter()
+                    .any(|k| is_keyword(self.text(t), k))
+        });
+        if select_like {
+            self.select_rules()
+        } else {
+            StatementKind::MayWrite
+        }
+    }
+
+    fn create_or_drop(&self) -> StatementKind {
+        let index =
+            self.word_is(1, "index") || (self.word_is(1, "unique") && self.word_is(2, "index"));
+        let whole_object = ["database", "tablespace", "subscription"]
+            .iter()
+            .any(|k| self.word_is(1, k));
+        if whole_object || (index && self.seen.concurrently) {
+            StatementKind::NonTransactional
+        } else {
+            StatementKind::MayWrite
+        }
+    }
+
+    fn alter(&self) -> StatementKind {
+        let non_transactional = self.word_is(1, "system")
+            || (self.word_is(1, "database") && self.seen.tablespace)
+            || (self.word_is(1, "subscription") && self.seen.publication)
+            || (self.word_is(1, "table") && self.seen.concurrently);
+        if non_transactional {
+            StatementKind::NonTransactional
+        } else {
+            StatementKind::MayWrite
+        }
+    }
+
+    fn reindex(&self) -> StatementKind {
+        let target = self
+            .words()
+            .iter()
+            .skip(1)
+            .copied()
+            .find(|t| t.kind != TokKind::LParen);
+        let whole = target.is_some_and(|t| {
+            is_keyword(self.text(t), "system") || is_keyword(self.text(t), "database")
+        });
+        if whole || self.seen.concurrently {
+            StatementKind::NonTransactional
+        } else {
+            StatementKind::MayWrite
+        }
+    }
+
+    /// `CLUSTER`, `CLUSTER VERBOSE` and `CLUSTER (options)` recluster every table, each in
+    /// its own transaction.
+    fn cluster(&self) -> StatementKind {
+        let no_table = self.n_words <= MAX_WORDS
+            && self
+                .words()
+                .iter()
+                .skip(1)
+                .all(|&t| t.kind == TokKind::LParen || is_keyword(self.text(t), "verbose"));
+        if no_table {
+            StatementKind::NonTransactional
+        } else {
+            StatementKind::MayWrite
+        }
+    }
+}
+
+/// What `name(` turned out to be.
+enum Call {
+    /// Syntax, a type modifier or a column list.
+    Grammar,
+    Allowed,
+    Unknown,
+    /// A call unless it is `WITH name(columns) AS (`.
+    MaybeColumns,
+}
+
+/// `text` in ASCII lower case, in `buf`; empty if it is too long to be a listed word.
+pub(super) fn lower<'b>(text: &[u8], buf: &'b mut [u8; MAX_WORD_LEN]) -> &'b [u8] {
+    let Some(out) = buf.get_mut(..text.len()) else {
+        return &[];
+    };
+    for (o, &b) in out.iter_mut().zip(text) {
+        *o = b.to_ascii_lowercase();
+    }
+    out
+}
