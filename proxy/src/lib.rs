@@ -14,4 +14,4 @@ mod server;
 mod session;
 pub mod state;
 
-pub use server::{run, run_with, ShutdownMode};
+pub use server::{run, run_with, ShutdownMode, Workers};

@@ -39,6 +39,10 @@ struct Cli {
     /// Largest protocol message accepted, in bytes [default: 268435456].
     #[arg(long, env = "PGFENCE_MAX_MESSAGE_SIZE", global = true)]
     max_message_size: Option<u32>,
+    /// Worker threads running client sessions [default: 1, like PgBouncer; raise it on
+    /// machines where pgfence has cores of its own].
+    #[arg(long, env = "PGFENCE_THREADS", default_value_t = 1, global = true)]
+    threads: usize,
     /// Run as a plain proxy without the fence (for comparisons).
     #[arg(long, env = "PGFENCE_NO_FENCE", global = true)]
     no_fence: bool,
@@ -116,7 +120,9 @@ fn main() -> ExitCode {
             }
         };
     init_logging(config.telemetry.log_format);
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
+    // The main runtime accepts connections, serves metrics and handles signals; sessions
+    // run on `--threads` worker threads of their own.
+    let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
     {
@@ -139,7 +145,7 @@ fn main() -> ExitCode {
             password.as_deref(),
             grant_to.as_deref(),
         )),
-        None => runtime.block_on(serve(config, source)),
+        None => runtime.block_on(serve(config, source, cli.threads)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -151,7 +157,7 @@ fn main() -> ExitCode {
     }
 }
 
-async fn serve(config: Config, source: Source) -> Result<(), String> {
+async fn serve(config: Config, source: Source, threads: usize) -> Result<(), String> {
     if let Some(install) = &config.fence.install {
         let password = std::env::var("PGPASSWORD").ok();
         for database in &install.databases {
@@ -183,7 +189,9 @@ async fn serve(config: Config, source: Source) -> Result<(), String> {
         tokio::spawn(pgfence::metrics::serve(listener, shared.metrics.clone()));
     }
     tokio::spawn(reload_on_sighup(shared.clone()));
-    pgfence::run_with(listener, shared, signals())
+    let workers = pgfence::Workers::start(threads)
+        .map_err(|e| format!("cannot start worker threads: {e}"))?;
+    pgfence::run_with(listener, shared, Some(workers), signals())
         .await
         .map_err(|e| e.to_string())
 }

@@ -21,6 +21,40 @@ use tracing::{info, warn};
 
 use crate::state::Shared;
 
+/// Threads that run client sessions, each with its own single-threaded runtime (and so
+/// its own I/O driver): a session's reads, writes and wakeups stay on one thread, without
+/// the work-stealing scheduler's bookkeeping. Sessions are dealt out round-robin.
+#[derive(Debug)]
+pub struct Workers {
+    handles: Vec<tokio::runtime::Handle>,
+    next: std::sync::atomic::AtomicUsize,
+}
+
+impl Workers {
+    /// Starts `n` worker threads (at least one).
+    pub fn start(n: usize) -> std::io::Result<Workers> {
+        let mut handles = Vec::new();
+        for i in 0..n.max(1) {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            handles.push(runtime.handle().clone());
+            std::thread::Builder::new()
+                .name(format!("pgfence-worker-{i}"))
+                .spawn(move || runtime.block_on(std::future::pending::<()>()))?;
+        }
+        Ok(Workers {
+            handles,
+            next: std::sync::atomic::AtomicUsize::new(0),
+        })
+    }
+
+    fn pick(&self) -> &tokio::runtime::Handle {
+        let i = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        &self.handles[i % self.handles.len()]
+    }
+}
+
 /// How to stop.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ShutdownMode {
@@ -35,17 +69,19 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send,
 ) -> std::io::Result<()> {
     let shared = Arc::new(Shared::new(config));
-    run_with(listener, shared, async move {
+    run_with(listener, shared, None, async move {
         shutdown.await;
         ShutdownMode::Drain
     })
     .await
 }
 
-/// Like [`run`], with state the caller keeps (reload, admin) and a choice of shutdown.
+/// Like [`run`], with state the caller keeps (reload, admin), worker threads (`None`:
+/// sessions run on the caller's runtime) and a choice of shutdown.
 pub async fn run_with(
     listener: TcpListener,
     shared: Arc<Shared>,
+    workers: Option<Workers>,
     shutdown: impl Future<Output = ShutdownMode> + Send,
 ) -> std::io::Result<()> {
     let tracker = TaskTracker::new();
@@ -59,7 +95,24 @@ pub async fn run_with(
                 Ok((stream, peer)) => {
                     let shared = shared.clone();
                     let stop = crate::session::Stop { drain: drain.clone(), kill: kill.clone() };
-                    tracker.spawn(crate::session::serve(stream, peer, shared, stop));
+                    match &workers {
+                        None => {
+                            tracker.spawn(crate::session::serve(stream, peer, shared, stop));
+                        }
+                        Some(workers) => {
+                            // Re-register the socket with the worker's own I/O driver.
+                            let Ok(stream) = stream.into_std() else { continue };
+                            tracker.spawn_on(
+                                async move {
+                                    match tokio::net::TcpStream::from_std(stream) {
+                                        Ok(stream) => crate::session::serve(stream, peer, shared, stop).await,
+                                        Err(e) => warn!(error = %e, "cannot register client socket"),
+                                    }
+                                },
+                                workers.pick(),
+                            );
+                        }
+                    }
                 }
                 Err(e) => {
                     // Out of file descriptors and the like: keep serving the others.
