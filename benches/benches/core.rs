@@ -43,25 +43,28 @@ fn bench(c: &mut Criterion) {
         ("sqlcommenter", SQLCOMMENTER.as_bytes()),
         ("orm_select_2k", orm.as_bytes()),
     ];
-    for (group, run) in [
-        (
-            "lexer",
-            (|sql| drop(black_box(lexer::Lexer::new(sql).count()))) as fn(&[u8]),
-        ),
-        ("directive_extract", |sql| {
-            drop(black_box(directive::extract(sql)))
-        }),
-        ("classify_analyze", |sql| {
-            drop(black_box(classify::analyze(sql)))
-        }),
-    ] {
-        let mut g = c.benchmark_group(group);
-        for (name, sql) in cases {
-            g.throughput(Throughput::Bytes(sql.len() as u64));
-            g.bench_function(name, |b| b.iter(|| run(black_box(sql))));
-        }
-        g.finish();
+    let mut lex = c.benchmark_group("lexer");
+    for (name, sql) in cases {
+        lex.throughput(Throughput::Bytes(sql.len() as u64));
+        lex.bench_function(name, |b| {
+            b.iter(|| lexer::Lexer::new(black_box(sql)).count())
+        });
     }
+    lex.finish();
+
+    let mut extract = c.benchmark_group("directive_extract");
+    for (name, sql) in cases {
+        extract.throughput(Throughput::Bytes(sql.len() as u64));
+        extract.bench_function(name, |b| b.iter(|| directive::extract(black_box(sql))));
+    }
+    extract.finish();
+
+    let mut analyze = c.benchmark_group("classify_analyze");
+    for (name, sql) in cases {
+        analyze.throughput(Throughput::Bytes(sql.len() as u64));
+        analyze.bench_function(name, |b| b.iter(|| classify::analyze(black_box(sql))));
+    }
+    analyze.finish();
 }
 
 criterion_group!(benches, bench);

@@ -1,0 +1,250 @@
+//! The main measurement: every cell, every configuration, interleaved round by round, and
+//! the medians the report shows.
+
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::cli::Args;
+use crate::db::Db;
+use crate::error::{Error, Result};
+use crate::pgbench::{Bench, Run, Target};
+use crate::plan::{Cell, Mode, Setup, Workload};
+use crate::proc::{self, HOST};
+use crate::stack::{Stack, RESOURCE};
+use crate::stats::median;
+
+/// What pgbench's own `-n`-less start would do before a TPC-B run: the same starting point
+/// for every run. Sent to PostgreSQL directly, outside the timed part, one statement per
+/// Query (VACUUM cannot run in the implicit transaction of a multi-statement Query).
+const RESET_TPCB: &[&str] = &[
+    "VACUUM pgbench_branches, pgbench_tellers",
+    "TRUNCATE pgbench_history",
+];
+
+/// One configuration in one cell.
+#[derive(Debug, Clone, Serialize)]
+pub struct SetupResult {
+    pub setup: Setup,
+    pub label: &'static str,
+    /// Every round that completed, in order.
+    pub runs: Vec<Run>,
+    /// Rounds that failed, with why.
+    pub errors: Vec<String>,
+    /// Medians over the completed rounds; `None` when none completed.
+    pub median: Option<Medians>,
+}
+
+/// Medians over rounds, each taken separately.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Medians {
+    pub tps: f64,
+    pub mean_ms: f64,
+    pub p99_ms: f64,
+    /// (max - min) / median of the rounds' TPS: how much the rounds disagree.
+    pub tps_spread: f64,
+}
+
+impl SetupResult {
+    fn summarise(&mut self) {
+        let col = |f: fn(&Run) -> f64| self.runs.iter().map(f).collect::<Vec<f64>>();
+        let tps = col(|r| r.tps);
+        self.median = median(&tps).map(|m| {
+            let (lo, hi) = tps
+                .iter()
+                .fold((f64::MAX, f64::MIN), |(lo, hi), &t| (lo.min(t), hi.max(t)));
+            Medians {
+                tps: m,
+                mean_ms: median(&col(|r| r.mean_ms)).unwrap_or(f64::NAN),
+                p99_ms: median(&col(|r| r.p99_ms)).unwrap_or(f64::NAN),
+                tps_spread: if m > 0.0 { (hi - lo) / m } else { 0.0 },
+            }
+        });
+    }
+}
+
+/// One cell: every configuration's result, in table order.
+#[derive(Debug, Clone, Serialize)]
+pub struct CellResult {
+    pub cell: Cell,
+    pub label: String,
+    pub setups: Vec<SetupResult>,
+}
+
+impl CellResult {
+    /// The medians of `setup`, when it ran and completed a round.
+    pub fn get(&self, setup: Setup) -> Option<Medians> {
+        self.setups
+            .iter()
+            .find(|s| s.setup == setup)
+            .and_then(|s| s.median)
+    }
+}
+
+/// Where pgbench connects for `setup`; `None` when its server was not started.
+fn target(stack: &Stack, setup: Setup, token: i64) -> Option<Target> {
+    let proxy = |d: &Option<crate::proc::Daemon>| {
+        d.as_ref().map(|d| Target {
+            host: HOST.to_string(),
+            port: d.port(),
+            pgoptions: None,
+            commented: false,
+        })
+    };
+    match setup {
+        Setup::Direct => Some(Target {
+            host: stack.pg_host.clone(),
+            port: stack.pg_port,
+            pgoptions: None,
+            commented: false,
+        }),
+        Setup::Pgbouncer => proxy(&stack.pgbouncer),
+        Setup::NoFence => proxy(&stack.unfenced),
+        Setup::NoToken => proxy(&stack.fenced),
+        Setup::SessionToken => proxy(&stack.fenced).map(|t| Target {
+            pgoptions: Some(format!(
+                "-c fencing.resource={RESOURCE} -c fencing.token={token}"
+            )),
+            ..t
+        }),
+        Setup::Sqlcommenter => proxy(&stack.fenced).map(|t| Target {
+            commented: true,
+            ..t
+        }),
+    }
+}
+
+/// The configurations of `args` that can run here (PgBouncer only when installed).
+pub fn runnable(args: &Args, stack: &Stack, token: i64) -> Vec<(Setup, Target)> {
+    args.configs
+        .iter()
+        .filter_map(|&s| target(stack, s, token).map(|t| (s, t)))
+        .collect()
+}
+
+/// Runs every cell of `cells` for every configuration, `args.rounds` times, interleaved;
+/// the token configurations present `token` for [`RESOURCE`].
+pub fn run_all(
+    args: &Args,
+    stack: &mut Stack,
+    db: &Db,
+    bench: &Bench,
+    cells: &[Cell],
+    token: i64,
+) -> Result<Vec<CellResult>> {
+    let setups = runnable(args, stack, token);
+    let total_runs = cells.len() * setups.len() * args.rounds as usize;
+    let started = Instant::now();
+    let mut done = 0usize;
+
+    if args.warmup > 0 {
+        let clients = args.clients.iter().copied().max().unwrap_or(1);
+        let cell = Cell {
+            workload: Workload::TpcbLike,
+            mode: Mode::Prepared,
+            clients,
+        };
+        eprintln!(
+            "pgfence-bench: warming up, {} s of {} per configuration",
+            args.warmup,
+            cell.label()
+        );
+        for (setup, t) in &setups {
+            reset(db, stack, cell)?;
+            if let Err(e) = bench.run(t, cell, args.warmup, &format!("warmup-{}", setup.key())) {
+                bail_if_interrupted(&e)?;
+                eprintln!("pgfence-bench: warm-up of {} failed: {e}", setup.label());
+            }
+        }
+    }
+
+    let mut results = Vec::new();
+    for &cell in cells {
+        let mut row: Vec<SetupResult> = setups
+            .iter()
+            .map(|(s, _)| SetupResult {
+                setup: *s,
+                label: s.label(),
+                runs: Vec::new(),
+                errors: Vec::new(),
+                median: None,
+            })
+            .collect();
+        for round in 1..=args.rounds {
+            for (i, (setup, t)) in setups.iter().enumerate() {
+                let name = format!("{}-{}-r{round}", cell.slug(), setup.key());
+                let outcome = stack
+                    .ensure_running(*setup)
+                    .and_then(|()| reset(db, stack, cell))
+                    .and_then(|()| bench.run(t, cell, args.duration, &name));
+                done += 1;
+                let eta = eta(started, done, total_runs);
+                match outcome {
+                    Ok(run) => {
+                        eprintln!(
+                            "[{done}/{total_runs}, {eta} left] {} | round {round}/{} | {:<24} {:>9.0} tps  mean {:.3} ms  p99 {:.3} ms{}",
+                            cell.label(),
+                            args.rounds,
+                            setup.label(),
+                            run.tps,
+                            run.mean_ms,
+                            run.p99_ms,
+                            if run.failed > 0 {
+                                format!("  ({} failed transactions)", run.failed)
+                            } else {
+                                String::new()
+                            }
+                        );
+                        row[i].runs.push(run);
+                    }
+                    Err(e) => {
+                        bail_if_interrupted(&e)?;
+                        eprintln!(
+                            "[{done}/{total_runs}] {} | round {round} | {}: FAILED: {e}",
+                            cell.label(),
+                            setup.label()
+                        );
+                        row[i].errors.push(format!("round {round}: {e}"));
+                    }
+                }
+            }
+        }
+        for s in &mut row {
+            s.summarise();
+        }
+        results.push(CellResult {
+            cell,
+            label: cell.label(),
+            setups: row,
+        });
+    }
+    Ok(results)
+}
+
+/// Resets the TPC-B tables (directly on PostgreSQL) before a TPC-B run.
+fn reset(db: &Db, stack: &Stack, cell: Cell) -> Result<()> {
+    proc::check_interrupted()?;
+    if cell.workload == Workload::TpcbLike {
+        for sql in RESET_TPCB {
+            db.execute(&stack.pg_host, stack.pg_port, sql)?;
+        }
+    }
+    Ok(())
+}
+
+fn bail_if_interrupted(e: &Error) -> Result<()> {
+    match e {
+        Error::Interrupted => Err(Error::Interrupted),
+        _ => Ok(()),
+    }
+}
+
+/// Time left, from the pace so far.
+fn eta(started: Instant, done: usize, total: usize) -> String {
+    if done == 0 {
+        return "?".to_string();
+    }
+    let per = started.elapsed().as_secs_f64() / done as f64;
+    let left = Duration::from_secs_f64(per * (total - done) as f64).as_secs();
+    format!("{}m{:02}s", left / 60, left % 60)
+}

@@ -1,0 +1,487 @@
+//! The report: one set of rows rendered as a terminal table and as Markdown, the JSON
+//! document, and the issue's targets checked against the figures.
+
+use serde::Serialize;
+
+use crate::measure::{CellResult, Medians};
+use crate::plan::{Setup, Workload};
+use crate::stale::{Memory, StaleRow, Tokens};
+
+/// Everything a run found; `results.json` is this, serialised.
+#[derive(Debug, Serialize)]
+pub struct Report {
+    /// UTC, `2024-05-01T12:34:56Z`.
+    pub started_utc: String,
+    /// The command line that repeats the run.
+    pub command: String,
+    pub environment: Environment,
+    pub duration_secs: u32,
+    pub rounds: u32,
+    pub scale: u32,
+    pub cells: Vec<CellResult>,
+    pub stale_tokens: Option<Tokens>,
+    pub stale: Option<Vec<StaleRow>>,
+    pub memory: Option<Memory>,
+    /// `SELECT token FROM pgfence.fences WHERE resource = 'bench'` at the end: proof that
+    /// the fenced configurations went through the check.
+    pub bench_fence_after: Option<String>,
+    /// Parts skipped or failed, and why.
+    pub notes: Vec<String>,
+}
+
+/// Where the figures come from.
+#[derive(Debug, Serialize)]
+pub struct Environment {
+    pub cpus: usize,
+    pub load_average_start: String,
+    pub load_average_end: String,
+    pub kernel: String,
+    pub postgres: String,
+    pub pgbench: String,
+    pub pgbouncer: Option<String>,
+    /// `git describe --always --dirty` of the workspace.
+    pub pgfence_git: Option<String>,
+    /// "throwaway (settings ...)" or "--upstream HOST:PORT".
+    pub server: String,
+}
+
+/// A table: headers, rows, and which columns are numbers (right-aligned).
+struct Table {
+    headers: Vec<&'static str>,
+    numeric: Vec<bool>,
+    rows: Vec<Vec<String>>,
+}
+
+impl Table {
+    fn text(&self) -> String {
+        let widths: Vec<usize> = (0..self.headers.len())
+            .map(|i| {
+                self.rows
+                    .iter()
+                    .map(|r| r[i].chars().count())
+                    .chain([self.headers[i].chars().count()])
+                    .max()
+                    .unwrap_or(0)
+            })
+            .collect();
+        let line = |cells: Vec<&str>| {
+            let parts: Vec<String> = cells
+                .iter()
+                .enumerate()
+                .map(|(i, c)| {
+                    if self.numeric[i] {
+                        format!("{c:>w$}", w = widths[i])
+                    } else {
+                        format!("{c:<w$}", w = widths[i])
+                    }
+                })
+                .collect();
+            parts.join("  ").trim_end().to_string()
+        };
+        let mut out = line(self.headers.clone());
+        out.push('\n');
+        let rule: Vec<String> = widths.iter().map(|w| "-".repeat(*w)).collect();
+        out.push_str(&rule.join("  "));
+        out.push('\n');
+        for r in &self.rows {
+            out.push_str(&line(r.iter().map(String::as_str).collect()));
+            out.push('\n');
+        }
+        out
+    }
+
+    fn markdown(&self) -> String {
+        let esc = |s: &str| s.replace('|', "\\|");
+        let mut out = format!(
+            "| {} |\n|{}|\n",
+            self.headers.join(" | "),
+            self.numeric
+                .iter()
+                .map(|&n| if n { " ---: " } else { " --- " })
+                .collect::<Vec<_>>()
+                .join("|")
+        );
+        for r in &self.rows {
+            out.push_str(&format!(
+                "| {} |\n",
+                r.iter().map(|c| esc(c)).collect::<Vec<_>>().join(" | ")
+            ));
+        }
+        out
+    }
+}
+
+fn ratio(a: Option<Medians>, b: Option<Medians>) -> Option<f64> {
+    match (a, b) {
+        (Some(a), Some(b)) if b.tps > 0.0 => Some(a.tps / b.tps),
+        _ => None,
+    }
+}
+
+fn fmt_ratio(r: Option<f64>) -> String {
+    r.map(|r| format!("{r:.2}x")).unwrap_or_default()
+}
+
+/// `78,123`.
+pub fn thousands(v: f64) -> String {
+    let n = v.round() as i64;
+    let digits = n.unsigned_abs().to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    if n < 0 {
+        format!("-{out}")
+    } else {
+        out
+    }
+}
+
+/// `+12`, `-3`, `0` (never `-0`).
+fn signed_us(us: f64) -> String {
+    if us.abs() < 0.5 {
+        "0".to_string()
+    } else {
+        format!("{us:+.0}")
+    }
+}
+
+fn cell_table(cells: &[CellResult], rounds: u32) -> Table {
+    let present = |s: Setup| cells.iter().any(|c| c.setups.iter().any(|r| r.setup == s));
+    let with_bouncer = present(Setup::Pgbouncer);
+    let with_token_ratio =
+        present(Setup::NoToken) && (present(Setup::SessionToken) || present(Setup::Sqlcommenter));
+    let mut headers = vec![
+        "cell",
+        "configuration",
+        "TPS",
+        "mean ms",
+        "p99 ms",
+        "vs direct",
+    ];
+    if with_bouncer {
+        headers.push("vs PgBouncer");
+    }
+    if with_token_ratio {
+        headers.push("vs no token");
+    }
+    headers.extend(["+µs vs direct", "spread"]);
+    let numeric = headers
+        .iter()
+        .map(|h| !matches!(*h, "cell" | "configuration"))
+        .collect();
+    let mut rows = Vec::new();
+    for c in cells {
+        let direct = c.get(Setup::Direct);
+        for (i, s) in c.setups.iter().enumerate() {
+            let m = s.median;
+            let mut row = vec![
+                if i == 0 {
+                    c.label.clone()
+                } else {
+                    String::new()
+                },
+                s.label.to_string(),
+            ];
+            match m {
+                Some(m) => row.extend([
+                    thousands(m.tps),
+                    format!("{:.3}", m.mean_ms),
+                    format!("{:.3}", m.p99_ms),
+                ]),
+                None => row.extend(["failed".to_string(), String::new(), String::new()]),
+            }
+            row.push(if s.setup == Setup::Direct {
+                String::new()
+            } else {
+                fmt_ratio(ratio(m, direct))
+            });
+            if with_bouncer {
+                row.push(if s.setup == Setup::Pgbouncer {
+                    String::new()
+                } else {
+                    fmt_ratio(ratio(m, c.get(Setup::Pgbouncer)))
+                });
+            }
+            if with_token_ratio {
+                row.push(if s.setup.has_token() {
+                    fmt_ratio(ratio(m, c.get(Setup::NoToken)))
+                } else {
+                    String::new()
+                });
+            }
+            row.push(match (m, direct) {
+                (Some(m), Some(d)) if s.setup != Setup::Direct => {
+                    signed_us((m.mean_ms - d.mean_ms) * 1000.0)
+                }
+                _ => String::new(),
+            });
+            let spread = m
+                .map(|m| format!("{:.0}%", m.tps_spread * 100.0))
+                .unwrap_or_default();
+            row.push(if s.runs.len() < rounds as usize {
+                format!("{spread} ({} of {rounds} rounds)", s.runs.len())
+            } else {
+                spread
+            });
+            rows.push(row);
+        }
+    }
+    Table {
+        headers,
+        numeric,
+        rows,
+    }
+}
+
+fn stale_table(rows: &[StaleRow]) -> Table {
+    let headers = vec![
+        "writer",
+        "protocol",
+        "every write is",
+        "per second",
+        "mean ms",
+        "p99 ms",
+        "writes",
+        "unexpected",
+    ];
+    let numeric = vec![false, false, false, true, true, true, true, true];
+    let rows = rows
+        .iter()
+        .map(|r| {
+            vec![
+                r.scenario.to_string(),
+                r.protocol.to_string(),
+                r.expected.to_string(),
+                thousands(r.per_sec),
+                format!("{:.3}", r.mean_ms),
+                format!("{:.3}", r.p99_ms),
+                thousands(r.writes as f64),
+                r.unexpected.to_string(),
+            ]
+        })
+        .collect();
+    Table {
+        headers,
+        numeric,
+        rows,
+    }
+}
+
+/// The issue's targets (issue 5), each with the figure this run measured.
+fn targets(r: &Report) -> Vec<String> {
+    let mut out = Vec::new();
+    let cells = &r.cells;
+    let worst = |num: Setup, den: Setup, filter: &dyn Fn(&CellResult) -> bool| {
+        cells
+            .iter()
+            .filter(|c| filter(c))
+            .filter_map(|c| ratio(c.get(num), c.get(den)).map(|x| (x, c.label.clone())))
+            .min_by(|a, b| a.0.total_cmp(&b.0))
+    };
+    let all = |_: &CellResult| true;
+    let verdict = |ok: bool| if ok { "met" } else { "NOT met" };
+    if let Some((x, cell)) = worst(Setup::NoToken, Setup::Pgbouncer, &all) {
+        out.push(format!(
+            "pgfence without tokens >= PgBouncer in every cell (aim 1.25x): lowest {x:.2}x \
+             ({cell}) — {}",
+            verdict(x >= 1.0)
+        ));
+    }
+    let tpcb = |c: &CellResult| c.cell.workload == Workload::TpcbLike;
+    for (den, name) in [
+        (Setup::NoToken, "pgfence without tokens"),
+        (Setup::NoFence, "pgfence --no-fence"),
+    ] {
+        if let Some((x, cell)) = worst(Setup::SessionToken, den, &tpcb) {
+            out.push(format!(
+                "fenced TPC-B (session token) >= 0.90 of {name} (aim 0.95): lowest {x:.2} \
+                 ({cell}) — {}",
+                verdict(x >= 0.90)
+            ));
+        }
+    }
+    let select = |c: &CellResult| c.cell.workload == Workload::SelectOnly;
+    if let Some((x, cell)) = worst(Setup::SessionToken, Setup::NoToken, &select) {
+        out.push(format!(
+            "select-only with a session token within 3% of without: lowest {x:.3} ({cell}) — {}",
+            verdict(x >= 0.97)
+        ));
+    }
+    for c in cells.iter().filter(|c| c.cell.clients == 1) {
+        let (Some(d), Some(b), Some(f)) = (
+            c.get(Setup::Direct),
+            c.get(Setup::Pgbouncer),
+            c.get(Setup::NoToken),
+        ) else {
+            continue;
+        };
+        let added = |m: Medians| (m.mean_ms - d.mean_ms) * 1000.0;
+        out.push(format!(
+            "added latency at one client <= PgBouncer's (aim half), {}: pgfence {} µs, \
+             PgBouncer {} µs — {}",
+            c.label,
+            signed_us(added(f)),
+            signed_us(added(b)),
+            verdict(added(f) <= added(b))
+        ));
+    }
+    if let Some(m) = &r.memory {
+        out.push(format!(
+            "pgfence RSS with {} idle sessions < 64 KiB per session: {:.1} KiB per session \
+             ({} KiB -> {} KiB) — {}",
+            m.sessions,
+            m.per_session_kib,
+            m.rss_before_kib,
+            m.rss_after_kib,
+            verdict(m.per_session_kib < 64.0)
+        ));
+    }
+    out
+}
+
+/// The terminal report.
+pub fn text(r: &Report) -> String {
+    let mut out = format!(
+        "\n{}\n\nTPS: median of {} round(s) of {} s; mean and p99 latency: medians of the \
+         rounds' values. spread = (max - min) / median TPS.\n\n",
+        r.command, r.rounds, r.duration_secs
+    );
+    out.push_str(&cell_table(&r.cells, r.rounds).text());
+    if let Some(stale) = &r.stale {
+        out.push_str("\nStale writer (one client, writes in a loop):\n\n");
+        out.push_str(&stale_table(stale).text());
+    }
+    let t = targets(r);
+    if !t.is_empty() {
+        out.push_str("\nTargets (issue 5):\n");
+        for line in t {
+            out.push_str(&format!("  - {line}\n"));
+        }
+    }
+    for n in &r.notes {
+        out.push_str(&format!("note: {n}\n"));
+    }
+    out
+}
+
+/// `results.md`.
+pub fn markdown(r: &Report) -> String {
+    let e = &r.environment;
+    let mut out = format!(
+        "# pgfence benchmark, {}\n\nReproduce:\n\n```sh\n{}\n```\n\n",
+        r.started_utc, r.command
+    );
+    out.push_str(&format!(
+        "- machine: {} CPUs, load average {} at the start and {} at the end; {}\n\
+         - server: {} ({}); {}; {}\n\
+         - pgfence: {}\n\
+         - pgbench scale {}, {} s per run, {} round(s) per configuration, interleaved\n\n",
+        e.cpus,
+        e.load_average_start,
+        e.load_average_end,
+        e.kernel,
+        e.postgres,
+        e.server,
+        e.pgbench,
+        e.pgbouncer.as_deref().unwrap_or("PgBouncer not installed"),
+        e.pgfence_git.as_deref().unwrap_or("unknown commit"),
+        r.scale,
+        r.duration_secs,
+        r.rounds,
+    ));
+    out.push_str("![TPS per configuration](chart.svg)\n\n## Throughput and latency\n\n");
+    out.push_str(
+        "TPS is the median over rounds; mean and p99 latency (from pgbench's \
+         per-transaction log) are the medians of the rounds' values. Ratios divide TPS. \
+         *vs no token*: the token-carrying configuration over pgfence without a token. \
+         *+µs vs direct*: mean latency added to PostgreSQL's. *spread*: (max - min) / median \
+         TPS over rounds. How to read it: docs/benchmarks.md.\n\n",
+    );
+    out.push_str(&cell_table(&r.cells, r.rounds).markdown());
+    if let Some(stale) = &r.stale {
+        out.push_str("\n## Stale writer\n\n");
+        if let Some(t) = r.stale_tokens {
+            out.push_str(&format!(
+                "One client loops `UPDATE pgfence_bench_stale SET n = n + 1 WHERE id = 1` with \
+                 session token {} for resource `bench-stale`, whose fence is {}. Per second: \
+                 median over rounds; latency over every write.\n\n",
+                t.stale, t.current
+            ));
+        }
+        out.push_str(&stale_table(stale).markdown());
+        for row in stale.iter().filter(|r| r.first_unexpected.is_some()) {
+            out.push_str(&format!(
+                "\nUnexpected outcome, {} ({}): {}\n",
+                row.scenario,
+                row.protocol,
+                row.first_unexpected.as_deref().unwrap_or_default()
+            ));
+        }
+    }
+    let t = targets(r);
+    if !t.is_empty() {
+        out.push_str("\n## Targets (issue 5)\n\n");
+        for line in t {
+            out.push_str(&format!("- {line}\n"));
+        }
+    }
+    if let Some(f) = &r.bench_fence_after {
+        out.push_str(&format!(
+            "\nFence of resource `bench` after the run: {f} (the fenced configurations went \
+             through the check).\n"
+        ));
+    }
+    let errors: Vec<String> = r
+        .cells
+        .iter()
+        .flat_map(|c| {
+            c.setups.iter().flat_map(move |s| {
+                s.errors
+                    .iter()
+                    .map(move |e| format!("{} / {}: {}", c.label, s.label, first_line(e)))
+            })
+        })
+        .collect();
+    if !errors.is_empty() || !r.notes.is_empty() {
+        out.push_str("\n## Notes\n\n");
+        for e in errors.iter().chain(&r.notes) {
+            out.push_str(&format!("- {e}\n"));
+        }
+    }
+    out
+}
+
+fn first_line(s: &str) -> &str {
+    s.lines().next().unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn thousands_separators() {
+        assert_eq!(thousands(78123.4), "78,123");
+        assert_eq!(thousands(999.0), "999");
+        assert_eq!(thousands(1_000_000.0), "1,000,000");
+        assert_eq!(thousands(0.2), "0");
+    }
+
+    #[test]
+    fn tables_align() {
+        let t = Table {
+            headers: vec!["a", "n"],
+            numeric: vec![false, true],
+            rows: vec![vec!["xx".into(), "1".into()], vec!["y".into(), "22".into()]],
+        };
+        assert_eq!(t.text(), "a    n\n--  --\nxx   1\ny   22\n");
+        assert_eq!(
+            t.markdown(),
+            "| a | n |\n| --- | ---: |\n| xx | 1 |\n| y | 22 |\n"
+        );
+    }
+}
