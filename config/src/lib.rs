@@ -284,6 +284,9 @@ pub enum ConfigError {
         path: String,
         source: toml::de::Error,
     },
+    /// A file that parses but does not validate: named, so the operator knows which one.
+    #[error("config file {path} is not valid: {message}")]
+    InvalidFile { path: String, message: String },
     #[error("invalid configuration: {0}")]
     Invalid(String),
 }
@@ -399,7 +402,13 @@ impl Config {
             path: path.display().to_string(),
             source,
         })?;
-        config.validate()?;
+        config.validate().map_err(|e| match e {
+            ConfigError::Invalid(message) => ConfigError::InvalidFile {
+                path: path.display().to_string(),
+                message,
+            },
+            other => other,
+        })?;
         Ok(config)
     }
 

@@ -10,6 +10,7 @@ use clap::{Parser, Subcommand};
 use pgfence::state::Shared;
 use pgfence::ShutdownMode;
 use pgfence_config::{Config, LogFormat, Overrides, Source, Upstream};
+use tokio::signal::unix::{signal, Signal, SignalKind};
 use tracing::{error, info};
 
 /// pgfence: a fencing-aware PostgreSQL proxy.
@@ -158,6 +159,10 @@ fn main() -> ExitCode {
 }
 
 async fn serve(config: Config, source: Source, threads: usize) -> Result<(), String> {
+    // Signal handlers first: a SIGHUP sent as soon as the port accepts clients must reload,
+    // not kill the process (the default action of a signal not handled yet).
+    let hup = signal(SignalKind::hangup()).map_err(|e| format!("cannot handle SIGHUP: {e}"))?;
+    let shutdown = signals()?;
     if let Some(install) = &config.fence.install {
         let password = std::env::var("PGPASSWORD").ok();
         for database in &install.databases {
@@ -188,20 +193,16 @@ async fn serve(config: Config, source: Source, threads: usize) -> Result<(), Str
     if let Some(listener) = metrics_listener {
         tokio::spawn(pgfence::metrics::serve(listener, shared.metrics.clone()));
     }
-    tokio::spawn(reload_on_sighup(shared.clone()));
+    tokio::spawn(reload_on_sighup(shared.clone(), hup));
     let workers = pgfence::Workers::start(threads)
         .map_err(|e| format!("cannot start worker threads: {e}"))?;
-    pgfence::run_with(listener, shared, Some(workers), signals())
+    pgfence::run_with(listener, shared, Some(workers), shutdown)
         .await
         .map_err(|e| e.to_string())
 }
 
 /// SIGHUP reloads the configuration file, as RELOAD on the admin console does.
-async fn reload_on_sighup(shared: Arc<Shared>) {
-    use tokio::signal::unix::{signal, SignalKind};
-    let Ok(mut hup) = signal(SignalKind::hangup()) else {
-        return;
-    };
+async fn reload_on_sighup(shared: Arc<Shared>, mut hup: Signal) {
     while hup.recv().await.is_some() {
         info!("SIGHUP: reloading the configuration");
         // Failures are logged by reload; the old configuration stays in force.
@@ -209,18 +210,17 @@ async fn reload_on_sighup(shared: Arc<Shared>) {
     }
 }
 
-/// SIGINT drains, SIGTERM waits for clients (PgBouncer's meanings).
-async fn signals() -> ShutdownMode {
-    use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        std::future::pending::<()>().await;
-        unreachable!()
-    };
-    tokio::select! {
-        _ = term.recv() => { info!("SIGTERM: waiting for clients to disconnect"); ShutdownMode::WaitForClients }
-        _ = int.recv() => { info!("SIGINT: closing sessions as they become idle"); ShutdownMode::Drain }
-    }
+/// SIGINT drains, SIGTERM waits for clients (PgBouncer's meanings). The handlers are
+/// installed now; the future waits for the first of them.
+fn signals() -> Result<impl std::future::Future<Output = ShutdownMode>, String> {
+    let mut term =
+        signal(SignalKind::terminate()).map_err(|e| format!("cannot handle SIGTERM: {e}"))?;
+    let mut int =
+        signal(SignalKind::interrupt()).map_err(|e| format!("cannot handle SIGINT: {e}"))?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => { info!("SIGTERM: waiting for clients to disconnect"); ShutdownMode::WaitForClients }
+            _ = int.recv() => { info!("SIGINT: closing sessions as they become idle"); ShutdownMode::Drain }
+        }
+    })
 }

@@ -17,6 +17,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, warn};
 
+/// What prometheus-client's text encoder writes is OpenMetrics (`# EOF`, counter families
+/// typed without their `_total` suffix), not the Prometheus 0.0.4 text format: say so, or a
+/// scraper parses it with the wrong grammar.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
 /// Labels of `pgfence_fence_checks_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CheckLabels {
@@ -178,7 +183,7 @@ async fn answer(mut stream: TcpStream, metrics: &Metrics) -> std::io::Result<()>
     let response = if method == b"GET" && path == b"/metrics" {
         let body = metrics.render();
         format!(
-            "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            "HTTP/1.1 200 OK\r\nContent-Type: {CONTENT_TYPE}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
             body.len()
         )
     } else {

@@ -5,7 +5,13 @@
 //! - [`Proxy`]: pgfence running in-process on its own tokio runtime, for sync and async tests.
 //! - [`ProxyProcess`]: the real `pgfence` binary as a child process, for signals and logs.
 //! - [`run_python`]: the psycopg scripts in `tests/python/`.
+//! - [`wire`]: raw protocol frames and a blocking connection with deadlines, for byte-exact
+//!   tests.
 //! - [`checker`]: the fencing invariant of SPEC section 4, checked over what a server committed.
+//! - [`fence`]: the exact FN001/FN002/FN003 texts, schema install and psql runs for the
+//!   end-to-end fence tests.
+//! - [`operating`]: JSON log events, `/metrics` scraped and parsed, config rewrites, for
+//!   the tests of what operators see (SPEC section 7).
 //!
 //! Everything here panics with a message saying what failed: it is test code, and a panic
 //! is how a test fails. Every server, proxy and directory is cleaned up on drop, also when
@@ -15,12 +21,15 @@
 pub mod checker;
 mod client;
 pub mod cluster;
+pub mod fence;
 mod host;
+pub mod operating;
 mod ports;
 mod process;
 pub mod proxy;
 pub mod proxy_process;
 pub mod python;
+pub mod wire;
 
 pub use client::{connect_to, quote_conn_value, try_connect_to};
 pub use cluster::{
@@ -29,6 +38,7 @@ pub use cluster::{
 };
 pub use nix::sys::signal::Signal;
 pub use ports::free_port;
+pub use process::{run as run_command, Outcome};
 pub use proxy::{init_tracing, Proxy};
 pub use proxy_process::{ProxyProcess, ProxyProcessBuilder};
 pub use python::{in_ci, python, python_dir, python_or_skip, run_python};

@@ -7,7 +7,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 /// What a finished (or killed) child printed.
-pub(crate) struct Outcome {
+pub struct Outcome {
     /// `None` when the child was killed at the deadline.
     pub status: Option<ExitStatus>,
     pub stdout: String,
@@ -32,7 +32,7 @@ impl Outcome {
 /// Runs `cmd` with `stdin` as its standard input, killing it at `timeout`.
 ///
 /// Panics only if the program cannot be started at all.
-pub(crate) fn run(cmd: &mut Command, stdin: Option<&[u8]>, timeout: Duration) -> Outcome {
+pub fn run(cmd: &mut Command, stdin: Option<&[u8]>, timeout: Duration) -> Outcome {
     cmd.stdin(if stdin.is_some() {
         Stdio::piped()
     } else {

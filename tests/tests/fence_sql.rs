@@ -10,12 +10,6 @@
 //!   with COMMIT as the proxy sends it; then the invariant checker over what was committed.
 //!   The same workload without the check must make the checker report violations.
 
-// The invariant checker lives in the harness crate's source so the end-to-end tests through
-// the proxy can share it; included by path until lib.rs exports it (`pub mod checker;`),
-// after which this can become `use harness::checker;`.
-#[path = "../src/checker.rs"]
-mod checker;
-
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -28,7 +22,7 @@ use tokio_postgres::error::DbError;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, Statement};
 
-use checker::{check_database, InvariantReport, COMMIT_US_SQL};
+use harness::checker::{check_database, InvariantReport, COMMIT_US_SQL};
 
 const CLIENTS: usize = 8;
 /// Wall time of one workload run; four runs keep the test well under 30 s.

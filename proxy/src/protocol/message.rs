@@ -119,7 +119,7 @@ pub fn cstr(buf: &[u8]) -> Option<(&[u8], &[u8])> {
 /// The body of a frame (after tag and length).
 #[inline]
 pub fn body(frame: &[u8]) -> &[u8] {
-    &frame[5..]
+    frame.get(5..).unwrap_or_default()
 }
 
 /// SQL text of a Query message (without the terminating NUL), or `None` if malformed.

@@ -20,6 +20,9 @@ pub enum StartupPacket {
     Startup(Startup),
 }
 
+/// Startup parameters, `(name, value)` in the order sent, raw bytes.
+pub type Params = Vec<(Vec<u8>, Vec<u8>)>;
+
 /// A StartupMessage: protocol version and `name=value` parameters, as sent.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Startup {
@@ -27,7 +30,7 @@ pub struct Startup {
     /// server, which negotiates it.
     pub version: u32,
     /// Parameters in order, raw bytes (PostgreSQL does not require them to be UTF-8).
-    pub params: Vec<(Vec<u8>, Vec<u8>)>,
+    pub params: Params,
 }
 
 impl Startup {
@@ -140,7 +143,7 @@ pub fn next_startup(buf: &[u8]) -> Result<Option<(StartupPacket, usize)>, Startu
     Ok(Some((packet, total)))
 }
 
-fn parse_params(mut rest: &[u8]) -> Result<Vec<(Vec<u8>, Vec<u8>)>, StartupError> {
+fn parse_params(mut rest: &[u8]) -> Result<Params, StartupError> {
     let mut params = Vec::new();
     loop {
         let Some(end) = rest.iter().position(|&b| b == 0) else {

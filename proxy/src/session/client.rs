@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use fence_core::classify::{analyze_with, StatementKind};
+use fence_core::lexer::{is_keyword, LexOptions, Lexer, TokKind};
 
 use crate::error::SessionError;
 use crate::protocol::message::{self as msg, Frontend};
@@ -11,7 +12,37 @@ use crate::state::Stats;
 
 use super::replies::{AfterCheck, QueryPlan, Request};
 use super::tx::View;
-use super::{Flow, Hold, Prepared, Session};
+use super::{CommitCheck, CopyIn, Flow, Hold, Prepared, Session};
+
+/// Whether `sql` is `COPY ... FROM STDIN`: `COPY` first, then `FROM STDIN` outside
+/// parentheses (so not the `FROM` of `COPY (SELECT ... FROM t) TO STDOUT`).
+fn is_copy_from_stdin(sql: &[u8], options: LexOptions) -> bool {
+    let mut tokens = Lexer::with_options(sql, options)
+        .filter(|t| !matches!(t.kind, TokKind::Comment { .. }))
+        .take_while(|t| t.kind != TokKind::Semicolon);
+    if !tokens
+        .next()
+        .is_some_and(|t| t.kind == TokKind::Ident && is_keyword(t.text(sql), "copy"))
+    {
+        return false;
+    }
+    let mut depth = 0usize;
+    let mut after_from = false;
+    for t in tokens {
+        match t.kind {
+            TokKind::LParen => depth += 1,
+            TokKind::RParen => depth = depth.saturating_sub(1),
+            TokKind::Ident if depth == 0 => {
+                if after_from {
+                    return is_keyword(t.text(sql), "stdin");
+                }
+                after_from = is_keyword(t.text(sql), "from");
+            }
+            _ => after_from = false,
+        }
+    }
+    false
+}
 
 impl Session {
     pub(super) fn on_client_frame(&mut self, tag: u8, frame: &[u8]) -> Result<Flow, SessionError> {
@@ -26,6 +57,14 @@ impl Session {
             }
             return Ok(Flow::Continue);
         }
+        if self.copy_in != CopyIn::None {
+            match kind {
+                Frontend::Sync | Frontend::Flush | Frontend::CopyData => {}
+                // The COPY ends here; any other message means the client is not copying
+                // (and would end a COPY the server started with a protocol error).
+                _ => self.copy_in = CopyIn::None,
+            }
+        }
         match kind {
             Frontend::Query => return self.on_query(frame),
             Frontend::Parse => self.on_parse(frame)?,
@@ -33,6 +72,15 @@ impl Session {
             Frontend::Execute => return self.on_execute(frame),
             Frontend::Describe => self.forward(frame, Request::Describe),
             Frontend::Close => self.on_close(frame)?,
+            Frontend::Sync if self.copy_in == CopyIn::Started => {
+                // Ignored by the server in copy-in mode: no reply owed, nothing ends.
+                self.to_server.extend_from_slice(frame);
+            }
+            Frontend::Sync if self.copy_in == CopyIn::Sent => {
+                // Ignored if the COPY started, the end of a failed batch if it did not:
+                // either way no transaction commits here, so no check.
+                self.forward(frame, Request::SyncInCopy);
+            }
             Frontend::Sync => {
                 if self.fence.enabled && self.tx.sync_needs_check() {
                     self.inject_check(false);
@@ -40,11 +88,13 @@ impl Session {
                 }
                 self.tx.batch_has_execute = false;
                 self.forward(frame, Request::Sync);
+                if let CommitCheck::Sent { found_failed } = self.commit_check {
+                    self.commit_check = CommitCheck::Pending { found_failed };
+                    self.hold = Hold::Waiting;
+                    return Ok(Flow::Pause);
+                }
             }
-            Frontend::FunctionCall => {
-                self.tx.dirty = true;
-                self.forward(frame, Request::FunctionCall);
-            }
+            Frontend::FunctionCall => return Ok(self.on_function_call(frame)),
             Frontend::Flush
             | Frontend::CopyData
             | Frontend::CopyDone
@@ -80,6 +130,7 @@ impl Session {
         }
         Arc::new(Prepared {
             sql: sql.into(),
+            copy_in: is_copy_from_stdin(sql, self.lex),
             analysis,
         })
     }
@@ -144,6 +195,14 @@ impl Session {
                     self.hold = Hold::Waiting;
                     return Ok(Flow::Hold);
                 }
+                None if self.precheck_possible() => {
+                    // Replies are still owed (a pipelining client: tokio-postgres closes a
+                    // statement with Close and Sync after its query returned). Checked with
+                    // them in flight, the statement would have to share a query string with
+                    // the check, and fail to run in a transaction block: wait for them.
+                    self.hold = Hold::Waiting;
+                    return Ok(Flow::Hold);
+                }
                 None => {}
             }
         }
@@ -201,7 +260,16 @@ impl Session {
             checks,
             done: 0,
             fast_reject: false,
+            at_end: plan.at_end,
         });
+        if !plan.before.is_empty() {
+            // A check before an inner COMMIT: see `CommitCheck`.
+            self.commit_check = CommitCheck::Pending {
+                found_failed: false,
+            };
+            self.hold = Hold::Waiting;
+            return Ok(Flow::Pause);
+        }
         Ok(Flow::Continue)
     }
 
@@ -240,7 +308,40 @@ impl Session {
             checks: Vec::new(),
             done: 0,
             fast_reject: true,
+            at_end: false,
         });
+        Flow::Continue
+    }
+
+    /// A FunctionCall outside a transaction block is a transaction of its own, committed
+    /// before pgfence could add anything to it: like a statement that cannot run in a
+    /// block, it is checked first, in a transaction of its own. Inside a block, the check
+    /// at COMMIT covers it. (One sent in the middle of an extended-protocol batch, before
+    /// its Sync, is not checked first; no known client does that.)
+    fn on_function_call(&mut self, frame: &[u8]) -> Flow {
+        if self.fence.enabled {
+            match self.take_hold() {
+                Some(Ok(())) => {}
+                Some(Err(status)) => {
+                    // The check's error went to the client; the call never runs.
+                    msg::ready_for_query(&mut self.to_client, status);
+                    return Flow::Continue;
+                }
+                None if self.precheck_possible() && self.replies.is_empty() => {
+                    self.inject_check_with_sync(true, AfterCheck::Release);
+                    self.hold = Hold::Waiting;
+                    return Flow::Hold;
+                }
+                None if self.replies.awaits_ready() && !self.tx.batch_has_execute => {
+                    // Whether a block is open is known once the replies in flight are in.
+                    self.hold = Hold::Waiting;
+                    return Flow::Hold;
+                }
+                None => {}
+            }
+        }
+        self.tx.dirty = true;
+        self.forward(frame, Request::FunctionCall);
         Flow::Continue
     }
 
@@ -343,6 +444,7 @@ impl Session {
             ) {
                 self.tx.view = View::Unknown;
             }
+            self.note_copy_in(prepared.as_deref());
             self.forward(frame, Request::Execute);
             return Ok(Flow::Continue);
         }
@@ -366,10 +468,21 @@ impl Session {
         ) && self.tx.commit_needs_check()
         {
             self.inject_check(false);
+            self.commit_check = CommitCheck::Sent {
+                found_failed: false,
+            };
         }
         self.tx.on_statement(kind);
+        self.note_copy_in(prepared.as_deref());
         self.forward(frame, Request::Execute);
         Ok(Flow::Continue)
+    }
+
+    /// The Execute of `prepared` goes upstream now: a `COPY ... FROM STDIN` may start.
+    fn note_copy_in(&mut self, prepared: Option<&Prepared>) {
+        if prepared.is_some_and(|p| p.copy_in) {
+            self.copy_in = CopyIn::Sent;
+        }
     }
 
     fn on_close(&mut self, frame: &[u8]) -> Result<(), SessionError> {
@@ -388,5 +501,26 @@ impl Session {
         }
         self.forward(frame, Request::Close);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_copy_from_stdin;
+
+    #[test]
+    fn copy_from_stdin_is_recognised() {
+        let yes = |sql: &str| is_copy_from_stdin(sql.as_bytes(), Default::default());
+        assert!(yes("COPY t FROM STDIN"));
+        assert!(yes("copy t (a, b) from stdin with (format csv)"));
+        assert!(yes("/* c */ COPY \"T\" FROM\nstdin;"));
+        assert!(yes("COPY s.t FROM STDIN (FORMAT binary)"));
+        assert!(!yes("COPY t TO STDOUT"));
+        assert!(!yes("COPY (SELECT a FROM stdin) TO STDOUT"));
+        assert!(!yes("COPY t FROM '/tmp/file'"));
+        assert!(!yes("COPY t FROM PROGRAM 'cat'"));
+        assert!(!yes("SELECT 'COPY t FROM STDIN'"));
+        assert!(!yes("SELECT 1; COPY t FROM STDIN"));
+        assert!(!yes(""));
     }
 }

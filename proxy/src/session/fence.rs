@@ -11,8 +11,8 @@ use fence_core::token::{Resource, Token};
 use pgfence_config::Config;
 use tracing::{info, warn};
 
-use crate::metrics::{CheckLabels, RejectionLabels, ResourceLabel};
 use crate::error::SessionError;
+use crate::metrics::{CheckLabels, RejectionLabels, ResourceLabel};
 use crate::protocol::message as msg;
 use crate::protocol::startup::{options_settings, Startup};
 use crate::state::{RejectionRecord, Stats};
@@ -21,7 +21,15 @@ use super::replies::{AfterCheck, Injected, Origin, Request};
 use super::Session;
 
 /// Client encodings pgfence cannot lex safely (see `on_parameter_status`).
-const UNSAFE_ENCODINGS: &[&str] = &["SJIS", "SHIFT_JIS_2004", "BIG5", "GBK", "UHC", "GB18030", "JOHAB"];
+const UNSAFE_ENCODINGS: &[&str] = &[
+    "SJIS",
+    "SHIFT_JIS_2004",
+    "BIG5",
+    "GBK",
+    "UHC",
+    "GB18030",
+    "JOHAB",
+];
 
 /// pgfence's own prepared statement and portal names on the upstream connection.
 pub const CHECK_NAME: &[u8] = b"pgfence_check";
@@ -153,7 +161,7 @@ impl Session {
         if !self.fence.check_prepared {
             msg::parse(&mut self.to_server, CHECK_NAME, sql::CHECK_SQL.as_bytes());
             self.replies
-                .push(Request::Parse, Origin::Injected(Injected::Prepare));
+                .push(Request::Parse, Origin::Injected(Injected::PrepareCheck));
             self.fence.check_prepared = true;
         }
     }
@@ -324,18 +332,21 @@ impl Session {
             .unwrap_or_default();
         let resource = rejection.resource.clone().unwrap_or_default();
         let token = rejection.token.clone().unwrap_or_default();
+        // String fields as `&str`, not `%` (Display): the text format then quotes and
+        // escapes them, so a statement or application_name with a newline cannot forge
+        // a log line of its own, and a value with spaces stays one field.
         warn!(
-            resource = %resource,
-            token = %token,
+            resource = resource.as_str(),
+            token = token.as_str(),
             fence = rejection.fence,
             reason = rejection.reason.as_str(),
             path,
-            client_addr = %self.client_addr,
-            user = %self.user,
-            database = %self.database,
-            application_name = %self.application_name,
+            client_addr = self.client_addr.as_str(),
+            user = self.user.as_str(),
+            database = self.database.as_str(),
+            application_name = self.application_name.as_str(),
             backend_pid = self.backend_pid,
-            statement = %statement,
+            statement = statement.as_str(),
             "fence rejected"
         );
         self.shared.stats.rejections.fetch_add(1, Ordering::Relaxed);

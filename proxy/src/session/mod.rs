@@ -50,6 +50,22 @@ const FAIL_WRITE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5
 pub(crate) struct Prepared {
     pub sql: Box<[u8]>,
     pub analysis: Analysis,
+    /// `COPY ... FROM STDIN`: executing it puts the server in copy-in mode.
+    pub copy_in: bool,
+}
+
+/// A `COPY ... FROM STDIN` run with the extended protocol, as far as pgfence can tell.
+/// PostgreSQL ignores Sync (and Flush) in copy-in mode, so a Sync sent then neither ends the
+/// implicit transaction nor gets a ReadyForQuery: no check may go before it (the server
+/// would take pgfence's messages for a protocol violation inside the COPY), and no reply is
+/// owed for it once the COPY started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CopyIn {
+    None,
+    /// The COPY's Execute went upstream; not yet known whether it started.
+    Sent,
+    /// The server answered CopyInResponse; copy-in mode lasts until CopyDone or CopyFail.
+    Started,
 }
 
 /// Where the session is in its life.
@@ -67,7 +83,9 @@ enum Phase {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Hold {
     None,
-    /// The check is in flight: do not read client messages.
+    /// The check is in flight, or replies owed that must come first (see
+    /// [`CommitCheck::Pending`], and a statement that needs its check alone): do not read
+    /// client messages.
     Waiting,
     /// The check passed: send the held message.
     Passed,
@@ -76,12 +94,42 @@ pub(crate) enum Hold {
     Failed(u8),
 }
 
+/// A check that went out right before a client's COMMIT or PREPARE TRANSACTION inside its
+/// batch (extended protocol) or query string (simple protocol). If the check fails, the
+/// server skips the COMMIT with the rest of the batch and leaves the transaction block
+/// failed, where PostgreSQL would have ended it (as when a deferred constraint fails at
+/// COMMIT). pgfence then ends it with its own ROLLBACK before the client's next message runs,
+/// so what the client is told (ReadyForQuery idle) is the server's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CommitCheck {
+    None,
+    /// The check went upstream; the batch's Sync not yet. `found_failed`: the check met a
+    /// transaction that had already failed (25P02, not forwarded), so the client's COMMIT
+    /// never ran either.
+    Sent {
+        found_failed: bool,
+    },
+    /// The batch's Sync (or the Query) went upstream: client messages wait for its
+    /// ReadyForQuery.
+    Pending {
+        found_failed: bool,
+    },
+    /// pgfence's ROLLBACK is in flight; its ReadyForQuery goes to the client, after a
+    /// `ROLLBACK` command tag for the client's COMMIT when `found_failed` (what PostgreSQL
+    /// answers to the COMMIT of a failed transaction).
+    RollingBack {
+        found_failed: bool,
+    },
+}
+
 /// What to do after a client message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Flow {
     Continue,
     /// Stop here and keep this message until the hold is released.
     Hold,
+    /// This message was taken; read no further ones until the hold is released.
+    Pause,
     /// The client said goodbye.
     Terminate,
 }
@@ -196,7 +244,16 @@ async fn run_session(
     crate::state::Stats::add(&shared.stats.clients_total);
     let result = session.run(client, server, cbuf, stop).await;
     session.finish();
-    result
+    let server_side = matches!(&result, Err(e) if matches!(e.side(), crate::error::Side::Server));
+    match session.server_fatal {
+        Some(true) if !server_side => Err(SessionError::ServerIo(std::io::Error::new(
+            std::io::ErrorKind::ConnectionAborted,
+            "the server ended the session",
+        ))),
+        // The server closing after refusing the client's login is no upstream failure.
+        Some(false) if server_side => Ok(()),
+        _ => result,
+    }
 }
 
 /// Sends a FATAL error to a client whose session cannot start, then closes.
@@ -301,10 +358,25 @@ pub(crate) struct Session {
     lex: fence_core::lexer::LexOptions,
     /// The latest statement text the client sent, for rejection logs.
     last_sql: Option<Arc<Prepared>>,
+    /// An extended-protocol `COPY ... FROM STDIN` in progress.
+    copy_in: CopyIn,
+    /// A check right before a COMMIT inside the client's batch, until the batch is answered.
+    commit_check: CommitCheck,
+    /// The CommandComplete of the last statement of a simple Query, held until the check
+    /// pgfence appended for the end of the implicit transaction passes: PostgreSQL commits
+    /// before it reports the last statement complete, so a client gets a command tag or an
+    /// error for it, never both.
+    held_complete: Option<Vec<u8>>,
     /// When each client Query, Sync or FunctionCall still in flight was sent (latency).
     sync_sent: std::collections::VecDeque<Instant>,
     /// When the check in flight was sent (latency).
     check_sent: Option<Instant>,
+    /// The server sent FATAL (or PANIC), ending the session: `Some(true)` when that is an
+    /// upstream failure (a session terminated, a server that cannot take the login),
+    /// `Some(false)` when the client caused it (credentials refused, no such database). It
+    /// decides the upstream error count however the session then ends: the client often
+    /// goes away before pgfence reads the end of the server connection.
+    server_fatal: Option<bool>,
 }
 
 impl Session {
@@ -346,9 +418,13 @@ impl Session {
             discard_until_sync: None,
             check_failed: false,
             last_sql: None,
+            copy_in: CopyIn::None,
+            commit_check: CommitCheck::None,
+            held_complete: None,
             lex: fence_core::lexer::LexOptions::default(),
             sync_sent: std::collections::VecDeque::new(),
             check_sent: None,
+            server_fatal: None,
         }
     }
 
@@ -365,6 +441,11 @@ impl Session {
         let (mut sr, mut sw) = server.split();
         let mut client_open = true;
         let mut draining = false;
+        // Created once: a fresh `cancelled()` future per loop turn costs more than the rest
+        // of the turn's bookkeeping.
+        let drain = stop.drain.cancelled();
+        let kill = stop.kill.cancelled();
+        tokio::pin!(drain, kill);
         // Bytes already read from the client (beyond its startup packet) are processed first.
         let mut client_pending = !cbuf.is_empty();
         loop {
@@ -372,7 +453,7 @@ impl Session {
                 client_pending = false;
                 match self.on_client_bytes(&mut cbuf) {
                     Ok(Flow::Terminate) => client_open = false,
-                    Ok(Flow::Hold | Flow::Continue) => {}
+                    Ok(Flow::Hold | Flow::Continue | Flow::Pause) => {}
                     Err(e) => return Err(self.fail(&mut cw, e).await),
                 }
             }
@@ -398,6 +479,8 @@ impl Session {
                 sbuf.reserve(READ_CHUNK);
             }
             tokio::select! {
+                // Replies first: they free the client's buffers soonest.
+                biased;
                 r = sr.read_buf(&mut sbuf), if read_server => {
                     let n = r.map_err(SessionError::ServerIo)?;
                     if n == 0 {
@@ -434,10 +517,10 @@ impl Session {
                     let n = r.map_err(SessionError::ClientIo)?;
                     self.to_client.advance(n);
                 }
-                _ = stop.drain.cancelled(), if !draining => {
+                _ = &mut drain, if !draining => {
                     draining = true;
                 }
-                _ = stop.kill.cancelled() => {
+                _ = &mut kill => {
                     return Err(self.say_goodbye(&mut cw).await);
                 }
             }
@@ -498,7 +581,7 @@ impl Session {
                 break;
             }
             at += len;
-            if flow == Flow::Terminate {
+            if matches!(flow, Flow::Terminate | Flow::Pause) {
                 break;
             }
         }
@@ -513,6 +596,14 @@ impl Session {
             next_frame(&buf[at..], SERVER_MAX_MESSAGE).map_err(SessionError::ServerFrame)?
         {
             let frame = &buf[at..at + len];
+            if tag == b'E' {
+                let fields = crate::protocol::message::error_fields(frame);
+                if fields.severity == b"FATAL" || fields.severity == b"PANIC" {
+                    let client_caused = self.phase == Phase::Auth
+                        && (fields.code.starts_with(b"28") || fields.code == b"3D000");
+                    self.server_fatal = Some(!client_caused);
+                }
+            }
             match self.phase {
                 Phase::Auth => self.on_auth_server_frame(tag, frame)?,
                 Phase::Ready => self.on_server_frame(tag, frame)?,
@@ -594,6 +685,11 @@ impl Session {
 
     /// A message to the admin console.
     fn on_admin_frame(&mut self, tag: u8, frame: &[u8]) -> Result<Flow, SessionError> {
+        if self.discard_until_sync.is_some() && !matches!(tag, b'S' | b'X') {
+            // As PostgreSQL does after an error in an extended-protocol batch: one error,
+            // then the rest of the batch is skipped up to its Sync.
+            return Ok(Flow::Continue);
+        }
         match tag {
             b'Q' => {
                 let sql = crate::protocol::message::query_text(frame)
@@ -608,11 +704,13 @@ impl Session {
             }
             b'X' => Ok(Flow::Terminate),
             b'S' => {
+                self.discard_until_sync = None;
                 crate::protocol::message::ready_for_query(&mut self.to_client, b'I');
                 Ok(Flow::Continue)
             }
             b'H' => Ok(Flow::Continue),
             b'P' | b'B' | b'D' | b'E' | b'C' => {
+                self.discard_until_sync = Some(b'I');
                 crate::protocol::message::error_response(
                     &mut self.to_client,
                     &crate::protocol::message::ErrorMessage {

@@ -21,6 +21,10 @@ pub enum Request {
     Close,
     /// Answered by ReadyForQuery.
     Sync,
+    /// A Sync sent after the Execute of a `COPY ... FROM STDIN` and before its CopyDone or
+    /// CopyFail. PostgreSQL ignores Sync in copy-in mode: this one is answered only if the
+    /// COPY failed to start (see [`Replies::copy_in_started`]).
+    SyncInCopy,
     /// A FunctionCall: FunctionCallResponse then ReadyForQuery.
     FunctionCall,
 }
@@ -28,7 +32,10 @@ pub enum Request {
 impl Request {
     /// Whether ReadyForQuery ends this request.
     pub fn is_sync_point(self) -> bool {
-        matches!(self, Request::Query | Request::Sync | Request::FunctionCall)
+        matches!(
+            self,
+            Request::Query | Request::Sync | Request::SyncInCopy | Request::FunctionCall
+        )
     }
 }
 
@@ -44,8 +51,11 @@ pub enum Origin {
 /// What an injected request was for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Injected {
-    /// Preparing pgfence's own statement (the check or the fast-path rejection).
+    /// Preparing the fast-path rejection statement.
     Prepare,
+    /// Preparing the check statement: in an aborted transaction it fails with 25P02 as the
+    /// check itself would.
+    PrepareCheck,
     /// Binding or executing the commit-time check.
     Check,
     /// Binding the fast-path rejection (its Execute stands in for the client's).
@@ -53,6 +63,9 @@ pub enum Injected {
     /// The Sync after a check pgfence runs in its own transaction before a client's COMMIT
     /// (simple protocol) or before a statement that cannot run in a transaction block.
     CheckSync(AfterCheck),
+    /// Ends a transaction block whose COMMIT the server skipped because the check before it
+    /// failed (see `CommitCheck`).
+    Rollback,
 }
 
 /// What to do once a check that ran in its own Sync is answered.
@@ -73,6 +86,9 @@ pub struct QueryPlan {
     pub done: usize,
     /// The query was rewritten to the fast-path rejection.
     pub fast_reject: bool,
+    /// The last check stands for the end of the implicit transaction (it follows the
+    /// client's last statement).
+    pub at_end: bool,
 }
 
 impl QueryPlan {
@@ -134,8 +150,37 @@ impl Replies {
     }
 
     #[inline]
+    pub fn len(&self) -> usize {
+        self.queue.len()
+    }
+
+    #[inline]
     pub fn is_empty(&self) -> bool {
         self.queue.is_empty()
+    }
+
+    /// Whether a ReadyForQuery is sure to come: a Query, Sync or FunctionCall is owed one.
+    pub fn awaits_ready(&self) -> bool {
+        self.queue
+            .iter()
+            .any(|p| p.request.is_sync_point() && p.request != Request::SyncInCopy)
+    }
+
+    /// The server answered the Execute at the front with CopyInResponse: it is in copy-in
+    /// mode and ignores the Syncs the client sent since (they come right after the Execute).
+    /// Drops their entries and returns how many there were; afterwards the Execute is the
+    /// only entry left if nothing else was sent since.
+    pub fn copy_in_started(&mut self) -> usize {
+        let mut dropped = 0;
+        while self
+            .queue
+            .get(1)
+            .is_some_and(|p| p.request == Request::SyncInCopy)
+        {
+            self.queue.remove(1);
+            dropped += 1;
+        }
+        dropped
     }
 
     /// After an error in the extended protocol the server skips every message up to the

@@ -8,7 +8,7 @@ use crate::error::SessionError;
 use crate::protocol::message::{self as msg, Backend};
 
 use super::replies::{AfterCheck, Injected, Origin, Request};
-use super::{Hold, Session};
+use super::{CommitCheck, CopyIn, Hold, Session};
 
 /// `in_failed_sql_transaction`: the transaction had already failed before pgfence's check.
 const IN_FAILED_TRANSACTION: &[u8] = b"25P02";
@@ -57,8 +57,11 @@ impl Session {
             }
             Backend::ErrorResponse => self.on_error(frame),
             Backend::ReadyForQuery => self.on_ready(frame),
+            Backend::CopyInResponse => {
+                self.on_copy_in_response();
+                self.forward_if_client(frame);
+            }
             Backend::ParameterDescription
-            | Backend::CopyInResponse
             | Backend::CopyOutResponse
             | Backend::CopyBothResponse
             | Backend::CopyData
@@ -90,9 +93,20 @@ impl Session {
             return;
         };
         if front.request == Request::Query {
+            if front.origin != Origin::Client {
+                return;
+            }
             let in_check = front.plan.in_check();
+            let before_final_check =
+                front.plan.at_end && front.plan.checks.last() == Some(&(front.plan.done + 1));
             front.plan.done += 1;
             if in_check {
+                // The check passed: the statement before it is complete after all.
+                self.release_held_complete();
+                return;
+            }
+            if before_final_check {
+                self.held_complete = Some(frame.to_vec());
                 return;
             }
             if self.check_failed
@@ -117,6 +131,10 @@ impl Session {
     }
 
     fn on_error(&mut self, frame: &[u8]) {
+        if self.copy_in == CopyIn::Started {
+            // The COPY failed: the server left copy-in mode and answers the next Sync.
+            self.copy_in = CopyIn::Sent;
+        }
         let fields = msg::error_fields(frame);
         let rejection = if fields.code.starts_with(b"FN") {
             Rejection::from_server(
@@ -134,13 +152,19 @@ impl Session {
         let (request, origin, fast) = (front.request, front.origin, front.plan.fast_reject);
         let from_check = match request {
             Request::Query => front.plan.in_check(),
-            _ => origin == Origin::Injected(Injected::Check),
+            _ => matches!(
+                origin,
+                Origin::Injected(Injected::Check | Injected::PrepareCheck)
+            ),
         };
         if !request.is_sync_point() {
             self.replies.pop();
             self.replies.skip_to_sync();
         }
-        if origin == Origin::Injected(Injected::Prepare) {
+        if matches!(
+            origin,
+            Origin::Injected(Injected::Prepare | Injected::PrepareCheck)
+        ) {
             // pgfence's own statement could not be prepared (schema not installed?): the
             // client must learn it, and the next check prepares again.
             self.fence.check_prepared = false;
@@ -150,9 +174,18 @@ impl Session {
             self.observe_check_latency();
             if fields.code == IN_FAILED_TRANSACTION {
                 // The transaction had failed before: its COMMIT rolls back as usual.
+                self.release_held_complete();
+                if let CommitCheck::Sent { found_failed } | CommitCheck::Pending { found_failed } =
+                    &mut self.commit_check
+                {
+                    *found_failed = true;
+                }
                 return;
             }
             self.check_failed = true;
+            // The implicit transaction failed at its end: no command tag for its last
+            // statement, as from PostgreSQL.
+            self.held_complete = None;
         }
         if let Some(r) = &rejection {
             let path = if fast || origin == Origin::Injected(Injected::FastReject) {
@@ -169,6 +202,31 @@ impl Session {
         self.to_client.extend_from_slice(frame);
     }
 
+    /// A COPY FROM STDIN started. Sent with the extended protocol, the Syncs the client
+    /// sent after its Execute are ignored by the server and owe no ReadyForQuery.
+    fn on_copy_in_response(&mut self) {
+        if !self
+            .replies
+            .front()
+            .is_some_and(|p| p.request == Request::Execute)
+        {
+            return;
+        }
+        for _ in 0..self.replies.copy_in_started() {
+            self.sync_sent.pop_front();
+        }
+        if self.copy_in == CopyIn::Sent && self.replies.len() == 1 {
+            self.copy_in = CopyIn::Started;
+        }
+    }
+
+    /// Forwards the CommandComplete held back for the end of an implicit transaction.
+    fn release_held_complete(&mut self) {
+        if let Some(frame) = self.held_complete.take() {
+            self.to_client.extend_from_slice(&frame);
+        }
+    }
+
     fn on_ready(&mut self, frame: &[u8]) {
         let status = msg::ready_status(frame);
         // Pop up to and including the sync point this answers.
@@ -181,6 +239,43 @@ impl Session {
         }
         let settled = self.replies.is_empty();
         self.tx.on_ready(status, settled);
+        self.release_held_complete();
+        if settled {
+            match self.commit_check {
+                CommitCheck::Pending { found_failed }
+                    if status == b'E' && (self.check_failed || found_failed) =>
+                {
+                    // The check before the client's COMMIT failed, so the server skipped the
+                    // COMMIT and left the block failed: end it before anything else runs.
+                    msg::query(&mut self.to_server, b"ROLLBACK");
+                    self.replies
+                        .push(Request::Query, Origin::Injected(Injected::Rollback));
+                    self.commit_check = CommitCheck::RollingBack { found_failed };
+                    return;
+                }
+                CommitCheck::RollingBack { found_failed } => {
+                    if found_failed && !self.check_failed {
+                        msg::write_message(&mut self.to_client, b'C', |o| {
+                            msg::put_cstr(o, b"ROLLBACK")
+                        });
+                    }
+                    self.commit_check = CommitCheck::None;
+                    self.hold = Hold::None;
+                }
+                CommitCheck::Pending { .. } => {
+                    self.commit_check = CommitCheck::None;
+                    self.hold = Hold::None;
+                }
+                CommitCheck::None | CommitCheck::Sent { .. } => {
+                    if self.hold == Hold::Waiting
+                        && !matches!(answered, Some(Origin::Injected(Injected::CheckSync(_))))
+                    {
+                        // A statement waiting for in-flight replies before its own check.
+                        self.hold = Hold::None;
+                    }
+                }
+            }
+        }
         match answered {
             Some(Origin::Injected(Injected::CheckSync(AfterCheck::Commit))) => {}
             Some(Origin::Injected(Injected::CheckSync(AfterCheck::Release))) => {

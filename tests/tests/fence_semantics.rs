@@ -1,0 +1,1001 @@
+//! What is fenced and how, end to end through pgfence with tokio-postgres (simple and
+//! extended protocol) and psql, against a real PostgreSQL. One cluster per test.
+//!
+//! - [`hidden_writes_are_fenced`]: writes in a function called from `SELECT`, a DO block, a
+//!   data-modifying CTE and a trigger are rejected with a stale token and accepted with the
+//!   current one (SPEC section 3: the database decides what wrote).
+//! - [`reads_do_not_pay`]: reads with a stale token are not rejected and cost no check.
+//! - [`missing_token_policy`]: FN002 for a resource that requires a token, `allow` lets the
+//!   write through, an unfenced session is not checked, a token without a resource is FN003.
+//! - [`conflicting_and_malformed_tokens`]: two comment tokens for one resource in one
+//!   transaction, malformed tokens and resources from every source: FN003; a comment token
+//!   overrides the session token.
+//! - [`tokens_in_literals_do_not_count`]: `fencing_token` inside string literals, dollar
+//!   quotes, quoted identifiers and a DO body is not a directive.
+//! - [`session_settings_follow_postgresql`]: `SET LOCAL` ends with its transaction, a `SET`
+//!   rolled back is undone, `RESET` and `set_config()` work, `SHOW fencing.token` works.
+//! - [`commit_of_failed_transaction_is_untouched`]: a transaction that failed before its
+//!   COMMIT is not checked; psql's output is byte for byte what PostgreSQL gives.
+//! - [`prepare_transaction_is_checked`]: `PREPARE TRANSACTION` is checked like COMMIT.
+//! - [`non_transactional_statements_are_prechecked`]: VACUUM, CALL (a procedure that
+//!   commits inside) and CREATE INDEX CONCURRENTLY get the check in a transaction of their
+//!   own first: a stale token stops them before they run.
+//!
+//! Every rejection is asserted field by field (SPEC section 5), and the session is then
+//! shown to be usable and outside any transaction.
+
+use harness::fence::{
+    assert_rejected, conflicting, connect_with_notices, drain_notices, install, invalid_resource,
+    invalid_token, missing, psql_script, sqlstate, stale, Expected, INVALID_DETAIL, INVALID_HINT,
+};
+use harness::{quote_conn_value, PgCluster, Proxy, APP_DB, SUPERUSER};
+use pgfence_config::{Config, DefaultResource, OnMissingToken, ResourcePolicy};
+use tokio::sync::mpsc::UnboundedReceiver;
+use tokio_postgres::error::DbError;
+use tokio_postgres::{Client, SimpleQueryMessage};
+
+/// A cluster with schema `pgfence` installed, a proxy in front of it, a direct client.
+struct Fixture {
+    cluster: PgCluster,
+    proxy: Proxy,
+    direct: Client,
+}
+
+impl Fixture {
+    /// Runs `setup` (SQL, as the superuser, directly) and starts a proxy with the default
+    /// config changed by `configure`.
+    async fn start(setup: &str, configure: impl FnOnce(&mut Config)) -> Fixture {
+        let cluster = PgCluster::start();
+        let direct = cluster.connect(APP_DB).await;
+        install(&direct).await;
+        direct.batch_execute(setup).await.expect("setup SQL");
+        let mut config = Proxy::config_for(&cluster);
+        configure(&mut config);
+        let proxy = Proxy::start(config);
+        Fixture {
+            cluster,
+            proxy,
+            direct,
+        }
+    }
+
+    /// A session through the proxy as `user`, with `options` (e.g. `-c fencing.token=5`).
+    async fn session(&self, user: &str, options: Option<&str>) -> Session {
+        let mut connstr = self.proxy.connstr_as(APP_DB, user, None);
+        if let Some(o) = options {
+            connstr.push_str(&format!(" options={}", quote_conn_value(o)));
+        }
+        let (client, notices) = connect_with_notices(&connstr).await;
+        Session { client, notices }
+    }
+
+    /// A session as `postgres` with `fencing.token` and `fencing.resource` from startup.
+    async fn leader(&self, resource: &str, token: i64) -> Session {
+        self.session(
+            SUPERUSER,
+            Some(&format!(
+                "-c fencing.token={token} -c fencing.resource={resource}"
+            )),
+        )
+        .await
+    }
+
+    async fn fence(&self, resource: &str) -> Option<i64> {
+        self.direct
+            .query_opt(
+                "SELECT token FROM pgfence.fences WHERE resource = $1",
+                &[&resource],
+            )
+            .await
+            .unwrap()
+            .map(|r| r.get(0))
+    }
+
+    /// `SELECT count(*)` of `from_where` (e.g. `t WHERE tag = 'x'`), read directly.
+    async fn count(&self, from_where: &str) -> i64 {
+        self.direct
+            .query_one(&format!("SELECT count(*) FROM {from_where}"), &[])
+            .await
+            .unwrap_or_else(|e| panic!("count {from_where}: {e:?}"))
+            .get(0)
+    }
+
+    /// pgfence's `fence_checks` counter, from the admin console.
+    async fn checks_done(&self) -> u64 {
+        let admin = harness::connect_to(&self.proxy.connstr("pgfence")).await;
+        for m in admin.simple_query("SHOW STATS").await.unwrap() {
+            if let SimpleQueryMessage::Row(row) = m {
+                if row.get(0) == Some("fence_checks") {
+                    return row.get(1).unwrap().parse().unwrap();
+                }
+            }
+        }
+        panic!("SHOW STATS has no fence_checks");
+    }
+}
+
+/// A client through the proxy whose notices are kept.
+struct Session {
+    client: Client,
+    notices: UnboundedReceiver<DbError>,
+}
+
+impl Session {
+    /// Usable, and outside any transaction block on the server: a ROLLBACK warns that
+    /// there is none (so no rejection left the server transaction open behind the client's
+    /// back).
+    async fn assert_idle(&mut self, context: &str) {
+        drain_notices(&mut self.notices);
+        self.client
+            .batch_execute("ROLLBACK")
+            .await
+            .unwrap_or_else(|e| panic!("{context}: ROLLBACK: {e:?}"));
+        let one: i32 = self
+            .client
+            .query_one("SELECT 1", &[])
+            .await
+            .unwrap_or_else(|e| panic!("{context}: SELECT 1: {e:?}"))
+            .get(0);
+        assert_eq!(one, 1);
+        assert_eq!(
+            drain_notices(&mut self.notices),
+            vec!["25P01".to_string()],
+            "{context}: a transaction is still open on the server"
+        );
+    }
+
+    async fn simple(&self, sql: &str) -> Result<(), tokio_postgres::Error> {
+        self.client.batch_execute(sql).await
+    }
+
+    async fn extended(&self, sql: &str) -> Result<(), tokio_postgres::Error> {
+        self.client.execute(sql, &[]).await.map(|_| ())
+    }
+
+    /// `statements` as one simple Query, or one by one with the extended protocol, stopping
+    /// at the first error. Returns the result and, on error, the failing statement's index
+    /// (0 for the simple protocol).
+    async fn run_at(
+        &self,
+        protocol: Protocol,
+        statements: &[&str],
+    ) -> (Result<(), tokio_postgres::Error>, usize) {
+        match protocol {
+            Protocol::Simple => (self.simple(&statements.join("; ")).await, 0),
+            Protocol::Extended => {
+                for (i, statement) in statements.iter().enumerate() {
+                    if let Err(e) = self.extended(statement).await {
+                        return (Err(e), i);
+                    }
+                }
+                (Ok(()), 0)
+            }
+        }
+    }
+
+    async fn run(
+        &self,
+        protocol: Protocol,
+        statements: &[&str],
+    ) -> Result<(), tokio_postgres::Error> {
+        self.run_at(protocol, statements).await.0
+    }
+
+    /// Runs `statements` (see [`Session::run_at`]) and expects `expected`. A statement
+    /// rejected inside a transaction block (the fast path rejects a write before it runs)
+    /// leaves the block failed, as any failed statement does: the application's ROLLBACK
+    /// follows. A rejected COMMIT must end the block by itself. Then the session must be
+    /// idle.
+    async fn expect_rejection(
+        &mut self,
+        protocol: Protocol,
+        statements: &[&str],
+        expected: &Expected,
+        context: &str,
+    ) {
+        let context = format!("{context} ({protocol:?}: {statements:?})");
+        let (result, at) = self.run_at(protocol, statements).await;
+        assert_rejected(&result, expected, &context);
+        let in_block = statements.first().is_some_and(|s| s.starts_with("BEGIN"));
+        if protocol == Protocol::Extended && in_block && at + 1 < statements.len() {
+            self.simple("ROLLBACK").await.unwrap();
+        }
+        self.assert_idle(&context).await;
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Protocol {
+    Simple,
+    Extended,
+}
+
+const PROTOCOLS: [Protocol; 2] = [Protocol::Simple, Protocol::Extended];
+
+// ---------------------------------------------------------------------------------------
+
+const HIDDEN_SETUP: &str = "
+CREATE TABLE hw (tag text);
+CREATE FUNCTION hw_write(tag text) RETURNS int LANGUAGE plpgsql
+    AS $$ BEGIN INSERT INTO hw VALUES (tag); RETURN 1; END $$;
+-- A BEFORE trigger that writes elsewhere and skips the row: the INSERT reports 0 rows.
+CREATE TABLE hw_src (tag text);
+CREATE FUNCTION hw_divert() RETURNS trigger LANGUAGE plpgsql
+    AS $$ BEGIN INSERT INTO hw VALUES (NEW.tag); RETURN NULL; END $$;
+CREATE TRIGGER hw_divert BEFORE INSERT ON hw_src FOR EACH ROW EXECUTE FUNCTION hw_divert();
+";
+
+/// The hidden writes, each writing the row `tag` into `hw`.
+fn hidden_writes(tag: &str) -> [(&'static str, String); 4] {
+    [
+        ("function", format!("SELECT hw_write('{tag}')")),
+        (
+            "DO block",
+            format!("DO $$ BEGIN INSERT INTO hw VALUES ('{tag}'); END $$"),
+        ),
+        (
+            "data-modifying CTE",
+            format!(
+                "WITH x AS (INSERT INTO hw VALUES ('{tag}') RETURNING 1) SELECT count(*) FROM x"
+            ),
+        ),
+        ("trigger", format!("INSERT INTO hw_src VALUES ('{tag}')")),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hidden_writes_are_fenced() {
+    let fx = Fixture::start(HIDDEN_SETUP, |_| {}).await;
+    let r = "hidden";
+    fx.leader(r, 34)
+        .await
+        .simple("SELECT hw_write('b')")
+        .await
+        .unwrap();
+    assert_eq!(fx.fence(r).await, Some(34));
+
+    // Token from startup (the fast path may know it) and from SET (only the database does).
+    let mut from_options = fx.leader(r, 33).await;
+    let mut from_set = fx.session(SUPERUSER, None).await;
+    from_set
+        .simple(&format!(
+            "SET fencing.token = 33; SET fencing.resource = '{r}'"
+        ))
+        .await
+        .unwrap();
+    for (source, session) in [("options", &mut from_options), ("SET", &mut from_set)] {
+        for protocol in PROTOCOLS {
+            let tag = format!("stale {source} {protocol:?}");
+            for (what, sql) in hidden_writes(&tag) {
+                let context = format!("{what}, token from {source}");
+                let expected = stale(r, 33, 34);
+                session
+                    .expect_rejection(protocol, &[&sql], &expected, &context)
+                    .await;
+                session
+                    .expect_rejection(protocol, &["BEGIN", &sql, "COMMIT"], &expected, &context)
+                    .await;
+            }
+            assert_eq!(
+                fx.count(&format!("hw WHERE tag = '{tag}'")).await,
+                0,
+                "{tag}"
+            );
+        }
+    }
+
+    // The current leader's hidden writes are accepted.
+    let leader = fx.leader(r, 34).await;
+    for protocol in PROTOCOLS {
+        let tag = format!("current {protocol:?}");
+        for (what, sql) in hidden_writes(&tag) {
+            leader
+                .run(protocol, &[&sql])
+                .await
+                .unwrap_or_else(|e| panic!("{what} with the current token: {e:?}"));
+        }
+        assert_eq!(
+            fx.count(&format!("hw WHERE tag = '{tag}'")).await,
+            4,
+            "{tag}"
+        );
+    }
+    assert_eq!(fx.count("hw_src").await, 0);
+    assert_eq!(fx.fence(r).await, Some(34));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_do_not_pay() {
+    let fx = Fixture::start(HIDDEN_SETUP, |c| c.admin.users = vec![SUPERUSER.into()]).await;
+    let r = "reads";
+    fx.leader(r, 34)
+        .await
+        .simple("SELECT hw_write('b')")
+        .await
+        .unwrap();
+    let stale_reader = fx.leader(r, 33).await;
+    let before = fx.checks_done().await;
+    let reads = [
+        "SELECT count(*) FROM hw",
+        "SELECT tag, length(tag) FROM hw WHERE tag = 'b' ORDER BY 1",
+        "WITH x AS (SELECT tag FROM hw) SELECT count(*) FROM x",
+        "SHOW fencing.token",
+    ];
+    for sql in reads {
+        stale_reader
+            .simple(sql)
+            .await
+            .unwrap_or_else(|e| panic!("simple {sql}: {e:?}"));
+        stale_reader
+            .client
+            .query(sql, &[])
+            .await
+            .unwrap_or_else(|e| panic!("extended {sql}: {e:?}"));
+        stale_reader
+            .simple(&format!("BEGIN; {sql}; COMMIT"))
+            .await
+            .unwrap_or_else(|e| panic!("in a transaction {sql}: {e:?}"));
+    }
+    // An explicit read-only transaction, statement by statement.
+    stale_reader.simple("BEGIN").await.unwrap();
+    stale_reader.client.query(reads[0], &[]).await.unwrap();
+    stale_reader.extended("COMMIT").await.unwrap();
+    assert_eq!(
+        fx.checks_done().await,
+        before,
+        "reads made pgfence run the check"
+    );
+    // A write does (the counter is not blind).
+    let writer = fx.leader(r, 34).await;
+    writer.simple("SELECT hw_write('w')").await.unwrap();
+    assert!(fx.checks_done().await > before);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_token_policy() {
+    let setup = "
+        CREATE TABLE mt (tag text);
+        CREATE ROLE mt_strict LOGIN; CREATE ROLE mt_lenient LOGIN;
+        GRANT ALL ON mt TO PUBLIC;";
+    let fx = Fixture::start(setup, |c| {
+        c.fence.resources.insert(
+            "strict".into(),
+            ResourcePolicy {
+                on_missing_token: None,
+            },
+        );
+        c.fence.resources.insert(
+            "lenient".into(),
+            ResourcePolicy {
+                on_missing_token: Some(OnMissingToken::Allow),
+            },
+        );
+        for (user, resource) in [("mt_strict", "strict"), ("mt_lenient", "lenient")] {
+            c.fence.defaults.push(DefaultResource {
+                database: APP_DB.into(),
+                user: Some(user.into()),
+                resource: resource.into(),
+            });
+        }
+    })
+    .await;
+
+    // A configured resource without a token: FN002, from every protocol and mode.
+    let mut strict = fx.session("mt_strict", None).await;
+    for protocol in PROTOCOLS {
+        let write = "INSERT INTO mt VALUES ('strict')";
+        for statements in [&[write][..], &["BEGIN", write, "COMMIT"]] {
+            strict
+                .expect_rejection(protocol, statements, &missing("strict"), "strict resource")
+                .await;
+        }
+    }
+    // Named by the session, without a token: FN002 too.
+    let mut named = fx
+        .session(SUPERUSER, Some("-c fencing.resource=named"))
+        .await;
+    named
+        .expect_rejection(
+            Protocol::Simple,
+            &["INSERT INTO mt VALUES ('named')"],
+            &missing("named"),
+            "resource from the session",
+        )
+        .await;
+    assert_eq!(fx.count("mt").await, 0);
+    assert_eq!(fx.fence("strict").await, None);
+
+    // `allow`: the write goes through, unfenced.
+    let lenient = fx.session("mt_lenient", None).await;
+    lenient
+        .simple("INSERT INTO mt VALUES ('lenient')")
+        .await
+        .unwrap();
+    lenient
+        .extended("INSERT INTO mt VALUES ('lenient')")
+        .await
+        .unwrap();
+    assert_eq!(fx.count("mt WHERE tag = 'lenient'").await, 2);
+    assert_eq!(fx.fence("lenient").await, None);
+    // ... but a token, when given, is still enforced.
+    let lenient_token = fx.session("mt_lenient", Some("-c fencing.token=3")).await;
+    lenient_token
+        .simple("INSERT INTO mt VALUES ('lenient 3')")
+        .await
+        .unwrap();
+    assert_eq!(fx.fence("lenient").await, Some(3));
+    let mut lenient_stale = fx.session("mt_lenient", Some("-c fencing.token=2")).await;
+    lenient_stale
+        .expect_rejection(
+            Protocol::Simple,
+            &["INSERT INTO mt VALUES ('lenient 2')"],
+            &stale("lenient", 2, 3),
+            "allow does not mean unchecked",
+        )
+        .await;
+
+    // No resource anywhere: nothing to fence, not checked against anything.
+    let plain = fx.session(SUPERUSER, None).await;
+    plain
+        .simple("INSERT INTO mt VALUES ('plain')")
+        .await
+        .unwrap();
+    assert_eq!(fx.count("mt WHERE tag = 'plain'").await, 1);
+
+    // A token without a resource: FN003.
+    let mut orphan = fx.session(SUPERUSER, Some("-c fencing.token=5")).await;
+    let no_resource = Expected {
+        code: "FN003",
+        message: "fencing token 5 has no resource: set fencing.resource or add \
+                  fencing_resource to the comment"
+            .into(),
+        detail: INVALID_DETAIL.into(),
+        hint: INVALID_HINT.into(),
+    };
+    orphan
+        .expect_rejection(
+            Protocol::Extended,
+            &["INSERT INTO mt VALUES ('orphan')"],
+            &no_resource,
+            "token without a resource",
+        )
+        .await;
+    assert_eq!(fx.count("mt WHERE tag = 'orphan'").await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conflicting_and_malformed_tokens() {
+    let fx = Fixture::start("CREATE TABLE ct (tag text);", |_| {}).await;
+    let mut s = fx.session(SUPERUSER, None).await;
+    let c = |token: u32, tag: &str| {
+        format!("/* fencing_token={token} fencing_resource=cf */ INSERT INTO ct VALUES ('{tag}')")
+    };
+
+    // Two different comment tokens for one resource in one transaction: FN003, in order.
+    for protocol in PROTOCOLS {
+        let (x, y) = (c(40, "x"), c(41, "y"));
+        s.expect_rejection(
+            protocol,
+            &["BEGIN", &x, &y, "COMMIT"],
+            &conflicting("cf", "40", "41"),
+            "two statements",
+        )
+        .await;
+    }
+    // ... also within one statement with two comments.
+    let two = "/* fencing_token=40 fencing_resource=cf */ INSERT INTO ct VALUES ('z') \
+               /*fencing_resource='cf',fencing_token='42'*/";
+    s.expect_rejection(
+        Protocol::Extended,
+        &[two],
+        &conflicting("cf", "40", "42"),
+        "one statement",
+    )
+    .await;
+    assert_eq!(fx.count("ct").await, 0);
+    assert_eq!(fx.fence("cf").await, None);
+
+    // The same token twice is one leader: accepted.
+    s.simple(&format!("BEGIN; {}; {}; COMMIT", c(40, "a"), c(40, "b")))
+        .await
+        .unwrap();
+    assert_eq!(fx.fence("cf").await, Some(40));
+
+    // A comment token overrides the session token of its resource for its transaction.
+    let session_10 = fx.leader("cf", 10).await;
+    session_10
+        .simple(&format!(
+            "BEGIN; INSERT INTO ct VALUES ('s'); {}; COMMIT",
+            c(45, "c")
+        ))
+        .await
+        .expect("the comment's 45 overrides the session's 10 (stale on its own)");
+    assert_eq!(fx.fence("cf").await, Some(45));
+    let mut stale_session = fx.leader("cf", 10).await;
+    stale_session
+        .expect_rejection(
+            Protocol::Simple,
+            &["INSERT INTO ct VALUES ('s')"],
+            &stale("cf", 10, 45),
+            "the session token applies without a comment",
+        )
+        .await;
+
+    // Malformed tokens and resources, from comments, SET and startup: FN003.
+    let m = |comment: &str| format!("{comment} INSERT INTO ct VALUES ('malformed')");
+    let cases = [
+        (
+            m("/* fencing_token=abc fencing_resource=mf */"),
+            invalid_token("mf", "abc"),
+        ),
+        (
+            m("/* fencing_token=-1 fencing_resource=mf */"),
+            invalid_token("mf", "-1"),
+        ),
+        (
+            m("/* fencing_token=9223372036854775808 fencing_resource=mf */"),
+            invalid_token("mf", "9223372036854775808"),
+        ),
+        (
+            m("/*fencing_resource='mf',fencing_token='1.5'*/"),
+            invalid_token("mf", "1.5"),
+        ),
+        (
+            m("/*fencing_resource='bad%20name',fencing_token='1'*/"),
+            invalid_resource("bad name"),
+        ),
+    ];
+    for (sql, expected) in &cases {
+        for protocol in PROTOCOLS {
+            s.expect_rejection(protocol, &[sql], expected, "malformed comment")
+                .await;
+        }
+    }
+    let mut set = fx.session(SUPERUSER, None).await;
+    set.simple("SET fencing.token = '12x'; SET fencing.resource = 'mf'")
+        .await
+        .unwrap();
+    set.expect_rejection(
+        Protocol::Extended,
+        &["INSERT INTO ct VALUES ('malformed')"],
+        &invalid_token("mf", "12x"),
+        "malformed SET",
+    )
+    .await;
+    let mut startup = fx
+        .session(
+            SUPERUSER,
+            Some("-c fencing.token=abc -c fencing.resource=mf"),
+        )
+        .await;
+    startup
+        .expect_rejection(
+            Protocol::Simple,
+            &["INSERT INTO ct VALUES ('malformed')"],
+            &invalid_token("mf", "abc"),
+            "malformed startup option",
+        )
+        .await;
+    assert_eq!(fx.count("ct WHERE tag = 'malformed'").await, 0);
+    assert_eq!(fx.fence("mf").await, None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_in_literals_do_not_count() {
+    let fx = Fixture::start("CREATE TABLE lt (tag text);", |_| {}).await;
+    let r = "lit";
+    let leader = fx.leader(r, 50).await;
+    leader
+        .simple("INSERT INTO lt VALUES ('first')")
+        .await
+        .unwrap();
+    let d = |t: u32| format!("/* fencing_token={t} fencing_resource={r} */");
+    let sc = |t: u32| format!("/*fencing_resource='{r}',fencing_token='{t}'*/");
+    let statements = [
+        format!("INSERT INTO lt VALUES ('{}')", d(1)),
+        format!("INSERT INTO lt VALUES (E'\\' {}')", d(2)),
+        format!("INSERT INTO lt VALUES ($${}$$)", d(3)),
+        format!("INSERT INTO lt VALUES ($tag${}$tag$)", sc(4)),
+        format!("INSERT INTO lt SELECT 'ident' AS \"{}\"", d(5)),
+        format!("DO $$ BEGIN {} INSERT INTO lt VALUES ('do'); END $$", d(6)),
+    ];
+    for protocol in PROTOCOLS {
+        for sql in &statements {
+            leader
+                .run(protocol, &[sql])
+                .await
+                .unwrap_or_else(|e| panic!("{protocol:?} {sql}: {e:?}"));
+        }
+    }
+    assert_eq!(fx.count("lt").await, 1 + 2 * statements.len() as i64);
+    assert_eq!(fx.fence(r).await, Some(50));
+    assert_eq!(
+        fx.count(&format!("pgfence.history WHERE resource = '{r}'"))
+            .await,
+        1,
+        "only the session's token 50 was ever accepted"
+    );
+
+    // A comment ends where PostgreSQL ends it (comments nest): the directive after the
+    // nested comment is still inside the outer one, and counts.
+    leader
+        .simple(&format!(
+            "/* outer /* nested */ fencing_token=51 fencing_resource={r} */ \
+             INSERT INTO lt VALUES ('nested')"
+        ))
+        .await
+        .unwrap();
+    assert_eq!(fx.fence(r).await, Some(51));
+
+    // A directive really in a comment next to the literal still counts.
+    let mut s = fx.leader(r, 50).await;
+    s.expect_rejection(
+        Protocol::Simple,
+        &[&format!("INSERT INTO lt VALUES ('{}') {}", d(1), d(49))],
+        &stale(r, 49, 51),
+        "a real comment after the literal",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_settings_follow_postgresql() {
+    let fx = Fixture::start("CREATE TABLE ss (tag text);", |_| {}).await;
+    let r = "settings";
+    let mut s = fx.session(SUPERUSER, None).await;
+    s.simple(&format!("SET fencing.resource = '{r}'"))
+        .await
+        .unwrap();
+
+    // SET LOCAL: the token lasts for its transaction only.
+    s.simple("BEGIN; SET LOCAL fencing.token = 60; INSERT INTO ss VALUES ('local'); COMMIT")
+        .await
+        .unwrap();
+    assert_eq!(fx.fence(r).await, Some(60));
+    s.expect_rejection(
+        Protocol::Simple,
+        &["INSERT INTO ss VALUES ('after local')"],
+        &missing(r),
+        "SET LOCAL ended with its transaction",
+    )
+    .await;
+    // Statement by statement with the extended protocol, SHOW in between.
+    s.simple("BEGIN").await.unwrap();
+    s.extended("SET LOCAL fencing.token = 61").await.unwrap();
+    let shown: String = s
+        .client
+        .query_one("SHOW fencing.token", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(shown, "61");
+    s.extended("INSERT INTO ss VALUES ('local 61')")
+        .await
+        .unwrap();
+    s.extended("COMMIT").await.unwrap();
+    assert_eq!(fx.fence(r).await, Some(61));
+    s.expect_rejection(
+        Protocol::Extended,
+        &["INSERT INTO ss VALUES ('after local 61')"],
+        &missing(r),
+        "SET LOCAL ended (extended)",
+    )
+    .await;
+
+    // A SET in a rolled-back transaction is undone: the session keeps 70.
+    s.simple("SET fencing.token = 70; INSERT INTO ss VALUES ('70')")
+        .await
+        .unwrap();
+    s.simple("BEGIN; SET fencing.token = 65; ROLLBACK")
+        .await
+        .unwrap();
+    s.simple("INSERT INTO ss VALUES ('70 again')")
+        .await
+        .expect("the rolled-back SET to 65 must be undone");
+    s.simple("BEGIN; SET fencing.token = 80; ROLLBACK")
+        .await
+        .unwrap();
+    s.simple("INSERT INTO ss VALUES ('70 once more')")
+        .await
+        .unwrap();
+    assert_eq!(fx.fence(r).await, Some(70), "the rolled-back 80 was used");
+    // ... also when the transaction fails and is rolled back afterwards.
+    let failed = s.simple("BEGIN; SET fencing.token = 90; SELECT 1/0").await;
+    assert_eq!(sqlstate(&failed).as_deref(), Some("22012"));
+    s.simple("ROLLBACK").await.unwrap();
+    s.simple("INSERT INTO ss VALUES ('70 after failure')")
+        .await
+        .unwrap();
+    assert_eq!(fx.fence(r).await, Some(70));
+
+    // RESET: no token any more.
+    s.simple("RESET fencing.token").await.unwrap();
+    s.expect_rejection(
+        Protocol::Simple,
+        &["INSERT INTO ss VALUES ('reset')"],
+        &missing(r),
+        "after RESET",
+    )
+    .await;
+
+    // set_config(), also over a startup token that pgfence knows (and must then forget:
+    // the fast path would otherwise reject with the startup token).
+    let mut started = fx.leader(r, 1).await;
+    started
+        .expect_rejection(
+            Protocol::Simple,
+            &["INSERT INTO ss VALUES ('startup 1')"],
+            &stale(r, 1, 70),
+            "startup token",
+        )
+        .await;
+    started
+        .client
+        .query("SELECT set_config('fencing.token', '75', false)", &[])
+        .await
+        .unwrap();
+    started
+        .simple("INSERT INTO ss VALUES ('set_config 75')")
+        .await
+        .expect("set_config's 75 must be used");
+    assert_eq!(fx.fence(r).await, Some(75));
+    started
+        .client
+        .query("SELECT set_config('fencing.token', '74', true)", &[])
+        .await
+        .unwrap();
+    started
+        .simple("INSERT INTO ss VALUES ('set_config local')")
+        .await
+        .expect("set_config(.., true) lasts for its (implicit) transaction only");
+    assert_eq!(fx.count("ss WHERE tag = 'set_config local'").await, 1);
+    assert_eq!(
+        fx.count("ss WHERE tag IN ('after local', 'after local 61', 'reset', 'startup 1')")
+            .await,
+        0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commit_of_failed_transaction_is_untouched() {
+    let fx = Fixture::start("CREATE TABLE ft (id int PRIMARY KEY);", |_| {}).await;
+    let r = "failed";
+    fx.leader(r, 34)
+        .await
+        .simple("INSERT INTO ft VALUES (1)")
+        .await
+        .unwrap();
+    // A stale token, but the transaction fails before COMMIT: COMMIT says ROLLBACK, no FN
+    // error, exactly as PostgreSQL itself says it.
+    let script = "SET fencing.token = 33;
+SET fencing.resource = 'failed';
+BEGIN;
+INSERT INTO ft VALUES (2);
+INSERT INTO ft VALUES (1);
+COMMIT;
+BEGIN;
+INSERT INTO ft VALUES (3);
+SELECT 1/0;
+INSERT INTO ft VALUES (4);
+END;
+BEGIN \\; INSERT INTO ft VALUES (5) \\; INSERT INTO ft VALUES (1) \\; COMMIT;
+ROLLBACK;
+SELECT count(*) FROM ft;
+";
+    let direct = psql_script(fx.cluster.psql_cmd(), APP_DB, script);
+    fx.direct
+        .batch_execute("DELETE FROM ft WHERE id <> 1")
+        .await
+        .unwrap();
+    let proxied = psql_script(fx.proxy.psql_cmd(), APP_DB, script);
+    assert!(direct.stdout.contains("ROLLBACK"), "{direct:?}");
+    assert_eq!(
+        proxied.stdout, direct.stdout,
+        "stdout through pgfence vs PostgreSQL"
+    );
+    assert_eq!(
+        proxied.stderr, direct.stderr,
+        "stderr through pgfence vs PostgreSQL"
+    );
+    assert!(!proxied.stderr.contains("FN00"), "{}", proxied.stderr);
+
+    // Extended protocol: the COMMIT of the failed block succeeds (it rolls back).
+    let s = fx.leader(r, 33).await;
+    s.simple("BEGIN").await.unwrap();
+    s.extended("INSERT INTO ft VALUES (6)").await.unwrap_err();
+    let dup = s.extended("INSERT INTO ft VALUES (1)").await;
+    assert_eq!(sqlstate(&dup).as_deref(), Some("25P02"), "{dup:?}");
+    s.extended("COMMIT")
+        .await
+        .expect("COMMIT of a failed transaction");
+    // Pipelined: the failure is not yet known when COMMIT goes out (so pgfence may send its
+    // check before it, and meet the failed transaction). Several times, for the timing.
+    let mut s = s;
+    for round in 0..20 {
+        let statements = [
+            "BEGIN",
+            "INSERT INTO ft VALUES (7)",
+            "INSERT INTO ft VALUES (1)",
+            "COMMIT",
+        ];
+        let mut prepared = Vec::new();
+        for sql in statements {
+            prepared.push(s.client.prepare(sql).await.unwrap());
+        }
+        let results =
+            futures_util::future::join_all(prepared.iter().map(|p| s.client.execute(p, &[]))).await;
+        let codes: Vec<Option<String>> = results.iter().map(sqlstate).collect();
+        // The stale token may be rejected by the check at the first write's Sync, before the
+        // duplicate key; or the duplicate key fails the transaction first. Never at COMMIT,
+        // which rolls back and ends the block, as in PostgreSQL.
+        assert!(
+            codes[3].is_none(),
+            "round {round}: COMMIT: {:?}",
+            results[3]
+        );
+        assert!(
+            codes[..3] == [None, None, Some("23505".to_string())]
+                || codes[..3] == [None, Some("FN001".to_string()), Some("25P02".to_string())],
+            "round {round}: {results:?}"
+        );
+        s.assert_idle(&format!(
+            "round {round}: after COMMIT of a failed transaction"
+        ))
+        .await;
+    }
+    // The failure in flight when the COMMIT goes out, with a valid token: pgfence checks
+    // before the COMMIT (it still believes the block healthy), the check meets the failed
+    // transaction, and the COMMIT must still roll back and end the block.
+    let leader = fx.leader(r, 34).await;
+    let dup = leader
+        .client
+        .prepare("INSERT INTO ft VALUES (1)")
+        .await
+        .unwrap();
+    let commit = leader.client.prepare("COMMIT").await.unwrap();
+    let mut leader = leader;
+    for round in 0..20 {
+        leader.simple("BEGIN").await.unwrap();
+        let (failed, committed) = tokio::join!(
+            leader.client.execute(&dup, &[]),
+            leader.client.execute(&commit, &[])
+        );
+        assert_eq!(sqlstate(&failed).as_deref(), Some("23505"), "round {round}");
+        assert!(committed.is_ok(), "round {round}: COMMIT: {committed:?}");
+        leader
+            .assert_idle(&format!("round {round}: COMMIT after an in-flight failure"))
+            .await;
+    }
+    assert_eq!(fx.count("ft").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prepare_transaction_is_checked() {
+    let fx = Fixture::start("CREATE TABLE pt (tag text);", |_| {}).await;
+    let r = "prepared";
+    let mut leader = fx.leader(r, 34).await;
+    leader.simple("INSERT INTO pt VALUES ('b')").await.unwrap();
+    let mut old = fx.leader(r, 33).await;
+    let mut from_set = fx.session(SUPERUSER, None).await;
+    from_set
+        .simple(&format!(
+            "SET fencing.token = 33; SET fencing.resource = '{r}'"
+        ))
+        .await
+        .unwrap();
+    for (who, s) in [("options", &mut old), ("SET", &mut from_set)] {
+        // Simple protocol: BEGIN, the write and PREPARE TRANSACTION each on their own and
+        // in one string.
+        s.simple("BEGIN").await.unwrap();
+        s.simple("INSERT INTO pt VALUES ('stale')").await.ok();
+        let result = s.simple("PREPARE TRANSACTION 'stale_simple'").await;
+        if let Err(e) = &result {
+            // Already rejected at the write by the fast path, or rejected now.
+            assert_eq!(e.code().map(|c| c.code()), Some("FN001"), "{who}: {e:?}");
+        } else {
+            // PREPARE of a transaction that failed at its write: rolled back.
+            assert_eq!(who, "options", "PREPARE TRANSACTION was not checked");
+        }
+        s.assert_idle("PREPARE TRANSACTION, simple").await;
+        let result = s
+            .simple("BEGIN; INSERT INTO pt VALUES ('stale'); PREPARE TRANSACTION 'stale_string'")
+            .await;
+        assert_rejected(&result, &stale(r, 33, 34), &format!("{who}: one string"));
+        s.assert_idle("PREPARE TRANSACTION, one string").await;
+        // Extended protocol.
+        s.simple("BEGIN").await.unwrap();
+        let write = s.extended("INSERT INTO pt VALUES ('stale')").await;
+        let prepare = s.extended("PREPARE TRANSACTION 'stale_extended'").await;
+        match (&write, &prepare) {
+            (Ok(()), Err(_)) => assert_rejected(&prepare, &stale(r, 33, 34), who),
+            (Err(_), Ok(())) => assert_rejected(&write, &stale(r, 33, 34), who),
+            _ => panic!("{who}: write {write:?}, prepare {prepare:?}"),
+        }
+        s.assert_idle("PREPARE TRANSACTION, extended").await;
+    }
+    assert_eq!(fx.count("pg_prepared_xacts").await, 0);
+    assert_eq!(fx.count("pt WHERE tag = 'stale'").await, 0);
+
+    // The current token prepares; the prepared transaction commits later.
+    leader
+        .simple("BEGIN; INSERT INTO pt VALUES ('prepared'); PREPARE TRANSACTION 'good'")
+        .await
+        .unwrap();
+    leader.simple("BEGIN").await.unwrap();
+    leader
+        .extended("INSERT INTO pt VALUES ('prepared 2')")
+        .await
+        .unwrap();
+    leader
+        .extended("PREPARE TRANSACTION 'good2'")
+        .await
+        .unwrap();
+    assert_eq!(fx.count("pg_prepared_xacts").await, 2);
+    leader.simple("COMMIT PREPARED 'good'").await.unwrap();
+    leader.simple("COMMIT PREPARED 'good2'").await.unwrap();
+    assert_eq!(fx.count("pt WHERE tag LIKE 'prepared%'").await, 2);
+    leader.assert_idle("after COMMIT PREPARED").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_transactional_statements_are_prechecked() {
+    let setup = "
+        CREATE TABLE nt (tag text);
+        CREATE PROCEDURE nt_proc(tag text) LANGUAGE plpgsql AS $$
+        BEGIN
+            INSERT INTO nt VALUES (tag || ' 1');
+            COMMIT;
+            INSERT INTO nt VALUES (tag || ' 2');
+        END $$;";
+    let fx = Fixture::start(setup, |_| {}).await;
+    let r = "nontx";
+    let leader = fx.leader(r, 34).await;
+    leader.simple("CALL nt_proc('b')").await.unwrap();
+    assert_eq!(fx.count("nt").await, 2);
+    assert_eq!(
+        fx.fence(r).await,
+        Some(34),
+        "the pre-check of CALL advances the fence"
+    );
+
+    let vacuums = "(SELECT vacuum_count FROM pg_stat_user_tables WHERE relname = 'nt') v \
+                   WHERE vacuum_count > 0";
+    let mut old = fx.leader(r, 33).await;
+    let mut from_set = fx.session(SUPERUSER, None).await;
+    from_set
+        .simple(&format!(
+            "SET fencing.token = 33; SET fencing.resource = '{r}'"
+        ))
+        .await
+        .unwrap();
+    for (who, s) in [("options", &mut old), ("SET", &mut from_set)] {
+        for protocol in PROTOCOLS {
+            for sql in [
+                "CALL nt_proc('stale')",
+                "VACUUM nt",
+                "CREATE INDEX CONCURRENTLY nt_stale ON nt (tag)",
+            ] {
+                s.expect_rejection(protocol, &[sql], &stale(r, 33, 34), who)
+                    .await;
+            }
+        }
+    }
+    assert_eq!(fx.count("nt WHERE tag LIKE 'stale%'").await, 0, "CALL ran");
+    assert_eq!(fx.count(vacuums).await, 0, "VACUUM ran");
+    assert_eq!(
+        fx.count("pg_class WHERE relname = 'nt_stale'").await,
+        0,
+        "CREATE INDEX ran"
+    );
+
+    // The current token runs them, with both protocols.
+    leader.simple("VACUUM nt").await.unwrap();
+    leader.extended("CALL nt_proc('c')").await.unwrap();
+    leader
+        .extended("CREATE INDEX CONCURRENTLY nt_current ON nt (tag)")
+        .await
+        .unwrap();
+    assert_eq!(fx.count(vacuums).await, 1);
+    assert_eq!(fx.count("nt WHERE tag LIKE 'c%'").await, 2);
+    assert_eq!(fx.count("pg_class WHERE relname = 'nt_current'").await, 1);
+}

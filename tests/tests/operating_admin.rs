@@ -1,0 +1,610 @@
+//! The admin console (virtual database `pgfence`, SPEC section 7) of the real `pgfence`
+//! binary, with psql and tokio-postgres.
+//!
+//! - [`psql_runs_every_command`]: psql `-c` (aligned, unaligned, `-x`) and a script with
+//!   `\x on`: SHOW HELP, SHOW FENCES (the rows of `SELECT * FROM pgfence.fences`), SHOW
+//!   REJECTIONS, SHOW CLIENTS, SHOW STATS, SHOW CONFIG, RELOAD.
+//! - [`simple_query_columns_and_content`]: each command's exact columns and plausible content
+//!   after known traffic (two rejections newest first, an open session with its
+//!   application_name, counters), case-insensitive commands; an unknown command and the
+//!   extended protocol are errors after which the console session stays usable.
+//! - [`only_admin_users_get_in`]: a user not in `admin.users` gets FATAL 28000; an admin user
+//!   still needs the right upstream password.
+//! - [`extended_protocol_batch_gets_one_error`]: a Parse/Bind/Describe/Execute/Sync batch on
+//!   raw protocol gets one ErrorResponse and one ReadyForQuery, as PostgreSQL answers a
+//!   failed batch.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::process::Command;
+use std::time::{Duration, SystemTime};
+
+use harness::fence::{self, assert_rejected};
+use harness::operating::{connect_from, run_command};
+use harness::wire::{self, RawConn};
+use harness::{
+    quote_conn_value, try_connect_to, PgCluster, Proxy, ProxyProcess, APP_DB, MD5_PASSWORD,
+    MD5_USER, SCRAM_PASSWORD, SCRAM_USER, SUPERUSER,
+};
+use pgfence_config::{Config, DefaultResource};
+use tokio_postgres::{Client, SimpleQueryMessage};
+
+const CONSOLE: &str = "pgfence";
+
+/// A cluster with schema `pgfence` and table `ledger` in `app`, and pgfence in front of it:
+/// `app` sessions fenced on `billing` by default, console users `postgres` and `md5user`,
+/// console database `app`.
+async fn setup() -> (PgCluster, ProxyProcess, Config) {
+    let cluster = PgCluster::start();
+    let direct = cluster.connect(APP_DB).await;
+    fence::install(&direct).await;
+    direct
+        .batch_execute("CREATE TABLE ledger (id int)")
+        .await
+        .expect("create table ledger");
+    let mut config = Proxy::config_for(&cluster);
+    config.fence.defaults = vec![DefaultResource {
+        database: APP_DB.into(),
+        user: None,
+        resource: "billing".into(),
+    }];
+    config.admin.users = vec![SUPERUSER.into(), MD5_USER.into()];
+    config.admin.database = APP_DB.into();
+    let proxy = ProxyProcess::builder()
+        .config(config.clone())
+        .args(["--config", "{config}"])
+        .start();
+    (cluster, proxy, config)
+}
+
+fn connstr(port: u16, application_name: &str, options: &str) -> String {
+    let mut s = format!(
+        "host=127.0.0.1 port={port} user={SUPERUSER} dbname={APP_DB} application_name={}",
+        quote_conn_value(application_name)
+    );
+    if !options.is_empty() {
+        s.push_str(&format!(" options={}", quote_conn_value(options)));
+    }
+    s
+}
+
+/// Sessions left open by [`traffic`].
+struct Traffic {
+    /// Wrote billing 5 and orders 8.
+    _writer: Client,
+    /// Application `rejected-app`: a missing token, then an invalid one, both rejected.
+    _rejected: Client,
+    /// The local address and backend pid of `rejected-app`.
+    addr: SocketAddr,
+    pid: i32,
+}
+
+/// Through `proxy`: billing accepted at 5 and at 8 on `orders`, then a missing token and an
+/// invalid one rejected (in that order) in a session called `rejected-app`.
+async fn traffic(proxy: &ProxyProcess) -> Traffic {
+    let writer = harness::connect_to(&connstr(
+        proxy.port(),
+        "writer",
+        "-c fencing.token=5 -c fencing.resource=billing",
+    ))
+    .await;
+    writer
+        .batch_execute("INSERT INTO ledger VALUES (1)")
+        .await
+        .expect("billing 5 accepted");
+    writer
+        .batch_execute(
+            "/* fencing_token=8 fencing_resource=orders */ INSERT INTO ledger VALUES (2)",
+        )
+        .await
+        .expect("orders 8 accepted");
+    let (client, addr) =
+        connect_from(proxy.addr(), &connstr(proxy.port(), "rejected-app", "")).await;
+    let pid: i32 = client
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pg_backend_pid")
+        .get(0);
+    assert_rejected(
+        &client.batch_execute("INSERT INTO ledger VALUES (3)").await,
+        &fence::missing("billing"),
+        "missing",
+    );
+    assert_rejected(
+        &client
+            .batch_execute("/* fencing_token=x9 */ INSERT INTO ledger VALUES (4)")
+            .await,
+        &fence::invalid_token("billing", "x9"),
+        "invalid",
+    );
+    Traffic {
+        _writer: writer,
+        _rejected: client,
+        addr,
+        pid,
+    }
+}
+
+/// psql on the console: `psql -X -h .. -p .. -U postgres -d pgfence <args>`; stdout, or a
+/// panic with stderr.
+fn psql(proxy: &ProxyProcess, args: &[&str]) -> String {
+    run_psql(proxy.psql_cmd().args(["-d", CONSOLE]).args(args), None)
+}
+
+fn run_psql(cmd: &mut Command, stdin: Option<&str>) -> String {
+    let out = run_command(cmd, stdin.map(str::as_bytes));
+    assert!(out.success(), "psql {cmd:?} failed: {out:?}");
+    out.stdout
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn psql_runs_every_command() {
+    let (cluster, proxy, _) = setup().await;
+    let _traffic = traffic(&proxy).await;
+
+    // Aligned output, as an operator types it.
+    let help = psql(&proxy, &["-c", "SHOW HELP"]);
+    let header = help.lines().next().unwrap_or_default();
+    assert!(
+        header.contains("command") && header.contains("description"),
+        "{help}"
+    );
+    for command in [
+        "SHOW FENCES",
+        "SHOW REJECTIONS",
+        "SHOW CLIENTS",
+        "SHOW STATS",
+        "SHOW CONFIG",
+        "RELOAD",
+        "SHOW HELP",
+    ] {
+        assert!(help.contains(command), "{command} missing from:\n{help}");
+    }
+    assert!(help.contains("(7 rows)"), "{help}");
+
+    // SHOW FENCES is the fences table of the console database.
+    let fences = psql(&proxy, &["-At", "-c", "SHOW FENCES"]);
+    let table = cluster.psql(APP_DB, "SELECT * FROM pgfence.fences ORDER BY resource");
+    assert_eq!(fences, table);
+    let resources: Vec<&str> = fences
+        .lines()
+        .map(|l| &l[..l.find('|').unwrap_or(0)])
+        .collect();
+    assert_eq!(resources, ["billing", "orders"], "{fences}");
+    let aligned = psql(&proxy, &["-c", "SHOW FENCES"]);
+    assert!(
+        aligned
+            .lines()
+            .next()
+            .is_some_and(|h| h.contains("resource")
+                && h.contains("token")
+                && h.contains("updated_at")),
+        "{aligned}"
+    );
+
+    // Expanded with -x.
+    let clients = psql(&proxy, &["-x", "-c", "SHOW CLIENTS"]);
+    assert!(clients.contains("-[ RECORD 1 ]"), "{clients}");
+    assert!(
+        clients
+            .lines()
+            .any(|l| l.starts_with("application_name") && l.ends_with("| rejected-app")),
+        "{clients}"
+    );
+
+    // Expanded with \x in a script: the newest rejection is record 1.
+    let script = "\\x on\nSHOW REJECTIONS;\n";
+    let out = psql_stdin(&proxy, script);
+    let records: Vec<&str> = out.split("-[ RECORD ").skip(1).collect();
+    assert_eq!(records.len(), 2, "{out}");
+    let field = |record: &str, name: &str| -> String {
+        record
+            .lines()
+            .find(|l| l.split('|').next().map(str::trim) == Some(name))
+            .and_then(|l| l.split_once('|'))
+            .map(|(_, v)| v.trim().to_string())
+            .unwrap_or_else(|| panic!("no {name} in record {record}"))
+    };
+    assert_eq!(field(records[0], "reason"), "invalid", "{out}");
+    assert_eq!(field(records[1], "reason"), "missing", "{out}");
+    assert_eq!(field(records[0], "application_name"), "rejected-app");
+
+    // Unaligned stats; RELOAD; SHOW CONFIG.
+    let stats = psql(&proxy, &["-At", "-F", "=", "-c", "SHOW STATS"]);
+    assert!(stats.lines().any(|l| l == "rejections=2"), "{stats}");
+    assert_eq!(psql(&proxy, &["-c", "RELOAD"]).trim(), "RELOAD");
+    let config = psql(&proxy, &["-At", "-F", "=", "-c", "SHOW CONFIG"]);
+    assert!(
+        config.lines().any(|l| l == "admin.database=app"),
+        "{config}"
+    );
+    // What an operator sees (shown with --nocapture; the README's samples come from here).
+    eprintln!(
+        "$ psql -d pgfence -c 'SHOW FENCES'\n{aligned}\n$ psql -d pgfence -x -c 'SHOW REJECTIONS'\n{}\n$ psql -d pgfence -c 'SHOW STATS'\n{}",
+        psql(&proxy, &["-x", "-c", "SHOW REJECTIONS"]),
+        psql(&proxy, &["-c", "SHOW STATS"])
+    );
+}
+
+/// psql on the console reading `script` from stdin.
+fn psql_stdin(proxy: &ProxyProcess, script: &str) -> String {
+    run_psql(
+        proxy
+            .psql_cmd()
+            .args(["-d", CONSOLE, "-v", "ON_ERROR_STOP=1", "-f", "-"]),
+        Some(script),
+    )
+}
+
+/// A console command's result: column names and rows of text.
+struct Table {
+    columns: Vec<String>,
+    rows: Vec<Vec<String>>,
+}
+
+impl Table {
+    /// The rows as maps column -> value.
+    fn records(&self) -> Vec<BTreeMap<&str, &str>> {
+        self.rows
+            .iter()
+            .map(|r| {
+                self.columns
+                    .iter()
+                    .map(String::as_str)
+                    .zip(r.iter().map(String::as_str))
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// Two-column tables (SHOW STATS, SHOW CONFIG) as a map.
+    fn pairs(&self) -> BTreeMap<&str, &str> {
+        self.rows
+            .iter()
+            .map(|r| (r[0].as_str(), r[1].as_str()))
+            .collect()
+    }
+}
+
+async fn show(client: &Client, command: &str) -> Table {
+    let messages = client
+        .simple_query(command)
+        .await
+        .unwrap_or_else(|e| panic!("{command}: {e:?}"));
+    let mut columns = None;
+    let mut rows = Vec::new();
+    let mut completed = None;
+    for m in messages {
+        match m {
+            SimpleQueryMessage::RowDescription(cols) => {
+                columns = Some(cols.iter().map(|c| c.name().to_string()).collect())
+            }
+            SimpleQueryMessage::Row(row) => {
+                if columns.is_none() {
+                    columns = Some(row.columns().iter().map(|c| c.name().to_string()).collect());
+                }
+                rows.push(
+                    (0..row.len())
+                        .map(|i| row.get(i).unwrap_or("<NULL>").to_string())
+                        .collect(),
+                );
+            }
+            SimpleQueryMessage::CommandComplete(n) => completed = Some(n),
+            _ => {}
+        }
+    }
+    assert_eq!(completed, Some(rows.len() as u64), "{command}: row count");
+    Table {
+        columns: columns.unwrap_or_else(|| panic!("{command}: no RowDescription")),
+        rows,
+    }
+}
+
+fn parse_time(text: &str) -> SystemTime {
+    humantime::parse_rfc3339(text).unwrap_or_else(|e| panic!("not an RFC 3339 time {text:?}: {e}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn simple_query_columns_and_content() {
+    let started = SystemTime::now() - Duration::from_secs(1);
+    let (cluster, proxy, config) = setup().await;
+    let traffic = traffic(&proxy).await;
+    let (session_addr, session_pid) = (traffic.addr, traffic.pid);
+    let admin = proxy.connect(CONSOLE).await;
+
+    // SHOW FENCES: the rows of pgfence.fences in the console database, as text.
+    let fences = show(&admin, "SHOW FENCES").await;
+    assert_eq!(fences.columns, ["resource", "token", "updated_at"]);
+    let direct = show(
+        &cluster.connect(APP_DB).await,
+        "SELECT * FROM pgfence.fences ORDER BY resource",
+    )
+    .await;
+    assert_eq!(fences.columns, direct.columns);
+    assert_eq!(fences.rows, direct.rows);
+    assert_eq!(fences.rows.len(), 2);
+    assert_eq!((&*fences.rows[0][0], &*fences.rows[0][1]), ("billing", "5"));
+    assert_eq!((&*fences.rows[1][0], &*fences.rows[1][1]), ("orders", "8"));
+
+    // SHOW REJECTIONS: newest first, with the log fields.
+    let rejections = show(&admin, "SHOW REJECTIONS").await;
+    assert_eq!(
+        rejections.columns,
+        [
+            "time",
+            "resource",
+            "token",
+            "fence",
+            "reason",
+            "path",
+            "client_addr",
+            "user",
+            "database",
+            "application_name",
+            "backend_pid",
+            "statement",
+        ]
+    );
+    let records = rejections.records();
+    assert_eq!(records.len(), 2, "{:?}", rejections.rows);
+    let pid = session_pid.to_string();
+    let addr = session_addr.to_string();
+    for (r, reason, token, statement) in [
+        (
+            &records[0],
+            "invalid",
+            "x9",
+            "/* fencing_token=x9 */ INSERT INTO ledger VALUES (4)",
+        ),
+        (&records[1], "missing", "", "INSERT INTO ledger VALUES (3)"),
+    ] {
+        let expected: BTreeMap<&str, &str> = [
+            ("resource", "billing"),
+            ("token", token),
+            ("fence", ""),
+            ("reason", reason),
+            ("path", "database"),
+            ("client_addr", addr.as_str()),
+            ("user", SUPERUSER),
+            ("database", APP_DB),
+            ("application_name", "rejected-app"),
+            ("backend_pid", pid.as_str()),
+            ("statement", statement),
+        ]
+        .into_iter()
+        .collect();
+        let mut got = r.clone();
+        let time = got.remove("time").expect("time column");
+        assert_eq!(got, expected);
+        let at = parse_time(time);
+        assert!(at >= started && at <= SystemTime::now(), "{time}");
+    }
+    assert!(
+        parse_time(records[0]["time"]) >= parse_time(records[1]["time"]),
+        "newest first: {:?}",
+        rejections.rows
+    );
+
+    // SHOW CLIENTS: the open session with its application_name, and the console itself.
+    let clients = show(&admin, "SHOW CLIENTS").await;
+    assert_eq!(
+        clients.columns,
+        [
+            "id",
+            "addr",
+            "user",
+            "database",
+            "application_name",
+            "backend_pid",
+            "connected_at"
+        ]
+    );
+    let records = clients.records();
+    let mine: Vec<_> = records
+        .iter()
+        .filter(|r| r["application_name"] == "rejected-app")
+        .collect();
+    assert_eq!(mine.len(), 1, "{:?}", clients.rows);
+    assert_eq!(mine[0]["addr"], addr);
+    assert_eq!(mine[0]["user"], SUPERUSER);
+    assert_eq!(mine[0]["database"], APP_DB);
+    assert_eq!(mine[0]["backend_pid"], pid);
+    assert!(mine[0]["id"].parse::<u64>().is_ok(), "{:?}", mine[0]);
+    parse_time(mine[0]["connected_at"]);
+    assert!(
+        records.iter().any(|r| r["database"] == CONSOLE),
+        "the console session is a client too: {:?}",
+        clients.rows
+    );
+    let ids: Vec<u64> = records
+        .iter()
+        .map(|r| r["id"].parse().expect("id"))
+        .collect();
+    assert!(ids.windows(2).all(|w| w[0] < w[1]), "sorted by id: {ids:?}");
+
+    // SHOW STATS: counters since start.
+    let stats = show(&admin, "show stats;").await;
+    assert_eq!(stats.columns, ["stat", "value"]);
+    let stats = stats.pairs();
+    let stat = |name: &str| -> u64 {
+        stats
+            .get(name)
+            .unwrap_or_else(|| panic!("no stat {name}: {stats:?}"))
+            .parse()
+            .expect("numeric stat")
+    };
+    assert_eq!(
+        stats.keys().copied().collect::<Vec<_>>(),
+        [
+            "clients_active",
+            "clients_total",
+            "fast_rejections",
+            "fence_checks",
+            "queries",
+            "rejections",
+            "upstream_errors"
+        ]
+    );
+    assert_eq!(stat("rejections"), 2);
+    assert_eq!(stat("fast_rejections"), 0);
+    assert_eq!(stat("upstream_errors"), 0);
+    // writer, rejected-app, the console.
+    assert_eq!(stat("clients_active"), 3);
+    assert!(stat("clients_total") >= 3, "{stats:?}");
+    assert!(stat("fence_checks") >= 4, "{stats:?}");
+    assert!(stat("queries") >= 5, "{stats:?}");
+
+    // SHOW CONFIG: what the file says.
+    let shown = show(&admin, "SHOW CONFIG").await;
+    assert_eq!(shown.columns, ["key", "value"]);
+    let shown = shown.pairs();
+    let listen = proxy.addr().to_string();
+    let port = config.upstream.port.to_string();
+    for (key, value) in [
+        ("listen", listen.as_str()),
+        ("upstream.host", "127.0.0.1"),
+        ("upstream.port", port.as_str()),
+        ("admin.database", APP_DB),
+        ("admin.users", "[\"postgres\", \"md5user\"]"),
+        ("fence.on_missing_token", "reject"),
+        ("fence.fast_path", "true"),
+        ("limits.connect_timeout", "10s"),
+        ("limits.max_message_size", "268435456"),
+        ("telemetry.log_format", "text"),
+    ] {
+        assert_eq!(shown.get(key).copied(), Some(value), "{key}: {shown:?}");
+    }
+
+    // SHOW HELP.
+    let help = show(&admin, "SHOW HELP").await;
+    assert_eq!(help.columns, ["command", "description"]);
+    let commands: Vec<&str> = help.rows.iter().map(|r| r[0].as_str()).collect();
+    assert_eq!(
+        commands,
+        [
+            "SHOW FENCES",
+            "SHOW REJECTIONS",
+            "SHOW CLIENTS",
+            "SHOW STATS",
+            "SHOW CONFIG",
+            "RELOAD",
+            "SHOW HELP"
+        ]
+    );
+    assert!(help.rows.iter().all(|r| !r[1].is_empty()));
+
+    // An unknown command is an error; the console stays usable.
+    let err = admin
+        .simple_query("SHOW TABLES")
+        .await
+        .expect_err("SHOW TABLES is no console command");
+    let db = err.as_db_error().expect("a server error");
+    assert_eq!(db.code().code(), "42601", "{db:?}");
+    assert!(db.message().contains("SHOW HELP"), "{db:?}");
+    assert_eq!(show(&admin, "SHOW HELP").await.rows.len(), 7);
+    // So is the extended protocol, with an error that says why.
+    let err = admin
+        .query("SHOW HELP", &[])
+        .await
+        .expect_err("the console speaks the simple protocol only");
+    let db = err.as_db_error().expect("a server error");
+    assert_eq!(db.code().code(), "0A000", "{db:?}");
+    assert!(db.message().contains("simple query protocol"), "{db:?}");
+    assert_eq!(show(&admin, "SHOW STATS").await.rows.len(), 7);
+    assert!(
+        admin.simple_query("").await.is_ok(),
+        "an empty query is fine"
+    );
+    drop(traffic);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_admin_users_get_in() {
+    let (_cluster, proxy, _) = setup().await;
+    let err =
+        match try_connect_to(&proxy.connstr_as(CONSOLE, SCRAM_USER, Some(SCRAM_PASSWORD))).await {
+            Ok(_) => panic!("{SCRAM_USER} is not in admin.users"),
+            Err(e) => e,
+        };
+    let db = err.as_db_error().unwrap_or_else(|| panic!("{err:?}"));
+    assert_eq!(db.code().code(), "28000", "{db:?}");
+    assert_eq!(db.severity(), "FATAL", "{db:?}");
+    assert!(
+        db.message().contains(SCRAM_USER) && db.message().contains("admin.users"),
+        "{db:?}"
+    );
+
+    // psql says so too.
+    let out = run_command(
+        proxy
+            .psql_cmd()
+            .args(["-U", SCRAM_USER, "-d", CONSOLE, "-c", "SHOW HELP"])
+            .env("PGPASSWORD", SCRAM_PASSWORD),
+        None,
+    );
+    assert_eq!(out.code, Some(2), "psql cannot connect: {out:?}");
+    assert!(
+        out.stderr.contains("FATAL") && out.stderr.contains("admin console"),
+        "{out:?}"
+    );
+
+    // An admin user logs in with its upstream password, and only with it.
+    let err = match try_connect_to(&proxy.connstr_as(CONSOLE, MD5_USER, Some("wrong"))).await {
+        Ok(_) => panic!("{MD5_USER} logged in to the console with a wrong password"),
+        Err(e) => e,
+    };
+    assert_eq!(
+        err.as_db_error().map(|e| e.code().code()),
+        Some("28P01"),
+        "{err:?}"
+    );
+    let admin = try_connect_to(&proxy.connstr_as(CONSOLE, MD5_USER, Some(MD5_PASSWORD)))
+        .await
+        .expect("md5user with its password");
+    assert_eq!(show(&admin, "SHOW HELP").await.rows.len(), 7);
+
+    // Refused logins are the client's doing, not upstream errors, once their sessions ended.
+    let mut stats = BTreeMap::new();
+    for _ in 0..500 {
+        stats = show(&admin, "SHOW STATS")
+            .await
+            .pairs()
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        if stats["clients_active"] == "1" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(stats["clients_active"], "1", "{stats:?}");
+    assert_eq!(stats["upstream_errors"], "0", "{stats:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extended_protocol_batch_gets_one_error() {
+    let (_cluster, proxy, _) = setup().await;
+    let (mut conn, _) = RawConn::login(proxy.addr(), SUPERUSER, CONSOLE);
+    let batch = [
+        wire::parse("", "SHOW HELP", &[]),
+        wire::bind("", "", &[]),
+        wire::describe(b'P', ""),
+        wire::execute("", 0),
+        wire::sync(),
+    ]
+    .concat();
+    // Two batches in one write: each is answered by one error and its ReadyForQuery.
+    conn.send(&[batch.clone(), batch].concat());
+    for n in 0..2 {
+        let replies = conn.until_ready();
+        assert_eq!(replies.len(), 2, "batch {n}: {replies:?}");
+        let message = wire::assert_error(&replies[0], "ERROR", "0A000");
+        assert!(message.contains("simple query protocol"), "{message}");
+        assert_eq!(replies[1].ready_status(), Some(b'I'));
+    }
+    conn.send(&wire::query("SHOW STATS"));
+    let replies = conn.until_ready();
+    let tags: Vec<u8> = replies.iter().map(|m| m.tag).collect();
+    assert_eq!(tags.first(), Some(&b'T'), "{replies:?}");
+    assert_eq!(&tags[tags.len() - 2..], b"CZ", "{replies:?}");
+}

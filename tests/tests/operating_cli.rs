@@ -1,0 +1,172 @@
+//! The `pgfence` command line as an operator meets it first: `--help` names every flag and
+//! its `PGFENCE_*` variable, a config file that cannot be used stops the binary with a
+//! message naming the file and the problem, and the example file in the repository starts
+//! the binary.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use harness::operating::{run_command, wait_for_log, CommandOutput};
+use harness::{free_port, ProxyProcess};
+
+/// Every flag of `pgfence` (serve): a new one must be added here, which is the reminder to
+/// document it (README, example file).
+const FLAGS: &[&str] = &[
+    "--config",
+    "--help",
+    "--listen",
+    "--log-format",
+    "--max-message-size",
+    "--metrics-addr",
+    "--no-fence",
+    "--threads",
+    "--upstream",
+    "--version",
+];
+/// The environment variable of each setting flag.
+const ENV: &[&str] = &[
+    "PGFENCE_CONFIG",
+    "PGFENCE_LISTEN",
+    "PGFENCE_UPSTREAM",
+    "PGFENCE_LOG_FORMAT",
+    "PGFENCE_METRICS_ADDR",
+    "PGFENCE_MAX_MESSAGE_SIZE",
+    "PGFENCE_NO_FENCE",
+];
+/// The flags of `pgfence install` besides the global ones.
+const INSTALL_FLAGS: &[&str] = &["--database", "--user", "--password", "--grant-to"];
+
+fn pgfence(args: &[&str]) -> CommandOutput {
+    let mut cmd = Command::new(ProxyProcess::binary());
+    cmd.args(args);
+    // The settings come from the arguments only.
+    for (key, _) in std::env::vars() {
+        if key.starts_with("PGFENCE_") {
+            cmd.env_remove(key);
+        }
+    }
+    run_command(&mut cmd, None)
+}
+
+/// The `--long-flags` a help text mentions.
+fn flags(help: &str) -> BTreeSet<String> {
+    help.split(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
+        .filter(|w| w.starts_with("--") && w.len() > 2)
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn help_names_every_flag() {
+    let out = pgfence(&["--help"]);
+    let help = out.stdout.clone();
+    assert!(out.success(), "{out:?}");
+    let expected: BTreeSet<String> = FLAGS.iter().map(|f| f.to_string()).collect();
+    assert_eq!(flags(&help), expected, "pgfence --help:\n{help}");
+    for var in ENV {
+        assert!(help.contains(var), "{var} missing from --help:\n{help}");
+    }
+    assert!(help.contains("install"), "the install command:\n{help}");
+
+    let out = pgfence(&["install", "--help"]);
+    let help = out.stdout.clone();
+    assert!(out.success(), "{out:?}");
+    for flag in INSTALL_FLAGS {
+        assert!(
+            help.contains(flag),
+            "{flag} missing from install --help:\n{help}"
+        );
+    }
+
+    let out = pgfence(&["--version"]);
+    assert!(out.success(), "{out:?}");
+    assert_eq!(
+        out.stdout.clone().trim(),
+        format!("pgfence {}", env!("CARGO_PKG_VERSION"))
+    );
+}
+
+#[test]
+fn bad_arguments_exit_non_zero() {
+    for args in [
+        &["--no-such-flag"][..],
+        &["--log-format", "xml"],
+        &["--listen", "not-an-address"],
+    ] {
+        let out = pgfence(args);
+        assert_eq!(out.code, Some(2), "{args:?}: {out:?}");
+        let stderr = out.stderr.clone();
+        assert!(
+            stderr.contains(args[0]) || stderr.contains(args[args.len() - 1]),
+            "{args:?}: {stderr}"
+        );
+    }
+}
+
+/// Runs `pgfence --config <file with contents>` and returns its stderr, asserting it
+/// exited at once with status 2 and named the file.
+fn refused(dir: &Path, contents: Option<&str>) -> String {
+    let path = dir.join("pgfence.toml");
+    match contents {
+        Some(c) => std::fs::write(&path, c).expect("write the config file"),
+        None => {
+            let _ = std::fs::remove_file(&path);
+        }
+    }
+    let path_text = path.display().to_string();
+    let out = pgfence(&[
+        "--config",
+        &path_text,
+        "--listen",
+        &format!("127.0.0.1:{}", free_port()),
+    ]);
+    let stderr = out.stderr.clone();
+    assert_eq!(out.code, Some(2), "{contents:?}: {stderr}");
+    assert!(
+        stderr.starts_with("pgfence: ") && stderr.contains(&path_text),
+        "{contents:?}: the message names the file: {stderr}"
+    );
+    stderr
+}
+
+#[test]
+fn unusable_config_files_stop_the_binary() {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let stderr = refused(dir.path(), Some("listen = [\n"));
+    assert!(stderr.contains("line 1"), "{stderr}");
+    let stderr = refused(dir.path(), Some("[fence]\non_missing_tokn = \"allow\"\n"));
+    assert!(
+        stderr.contains("unknown field `on_missing_tokn`"),
+        "{stderr}"
+    );
+    let stderr = refused(dir.path(), Some("[fence]\non_missing_token = \"maybe\"\n"));
+    assert!(stderr.contains("maybe"), "{stderr}");
+    let stderr = refused(dir.path(), Some("[limits]\nmax_client_connections = 0\n"));
+    assert!(
+        stderr.contains("max_client_connections must be at least 1"),
+        "{stderr}"
+    );
+    let stderr = refused(dir.path(), Some("[limits]\nconnect_timeout = \"10\"\n"));
+    assert!(stderr.contains("connect_timeout"), "{stderr}");
+    let stderr = refused(dir.path(), None);
+    assert!(stderr.contains("cannot read config file"), "{stderr}");
+}
+
+#[test]
+fn the_example_file_starts_the_binary() {
+    let example: PathBuf = [env!("CARGO_MANIFEST_DIR"), "..", "pgfence.example.toml"]
+        .iter()
+        .collect();
+    let dead_upstream = format!("127.0.0.1:{}", free_port());
+    let mut proxy = ProxyProcess::start(&[
+        "--config",
+        &example.display().to_string(),
+        "--listen",
+        "{listen}",
+        "--upstream",
+        &dead_upstream,
+    ]);
+    wait_for_log(&proxy, 0, "pgfence started");
+    assert!(proxy.try_status().is_none(), "{}", proxy.logs());
+}

@@ -1,0 +1,502 @@
+//! Rejection logs as operators read them (SPEC section 7), from the real `pgfence` binary.
+//!
+//! - [`json_log_has_one_event_per_rejection`]: with `--log-format json`, every stderr line is
+//!   a JSON object; each rejected transaction (database path: stale in autocommit and at an
+//!   explicit COMMIT, missing, invalid; fast path: stale in autocommit and inside a
+//!   transaction) is exactly one WARN `fence rejected` event with resource, token, fence,
+//!   reason, path, client_addr, user, database, application_name, backend_pid and the first
+//!   200 characters of the statement; accepted advances are INFO `fence advanced` events;
+//!   no INFO-or-above event other than a rejection carries statement text; connections open
+//!   and close at DEBUG.
+//! - [`text_log_without_fast_path`]: the default text format, and `fence.fast_path = false`:
+//!   a repeated stale write is rejected by the database every time.
+
+use std::net::SocketAddr;
+
+use harness::fence::{self, assert_rejected, sqlstate};
+use harness::operating::{
+    connect_from, int_field, json_events, level, message, str_field, wait_for_log, Event,
+};
+use harness::{quote_conn_value, PgCluster, Proxy, ProxyProcess, APP_DB, SUPERUSER};
+use pgfence_config::{Config, DefaultResource};
+use serde_json::Value;
+use tokio_postgres::Client;
+
+/// In every statement the tests send, so that statement text is recognisable in logs.
+const MARKER: &str = "stmt-marker-q7";
+
+/// A cluster with schema `pgfence` and table `ledger` in `app`.
+async fn cluster_with_ledger() -> PgCluster {
+    let cluster = PgCluster::start();
+    let direct = cluster.connect(APP_DB).await;
+    fence::install(&direct).await;
+    direct
+        .batch_execute("CREATE TABLE ledger (id int, note text)")
+        .await
+        .expect("create table ledger");
+    cluster
+}
+
+/// Sessions of database `app` are fenced on `billing` unless they name another resource.
+fn config(cluster: &PgCluster) -> Config {
+    let mut config = Proxy::config_for(cluster);
+    config.fence.defaults = vec![DefaultResource {
+        database: APP_DB.into(),
+        user: None,
+        resource: "billing".into(),
+    }];
+    config
+}
+
+/// A connection string for `app` with `application_name` and startup `options`.
+fn connstr(port: u16, application_name: &str, options: &str) -> String {
+    let mut s = format!(
+        "host=127.0.0.1 port={port} user={SUPERUSER} dbname={APP_DB} application_name={}",
+        quote_conn_value(application_name)
+    );
+    if !options.is_empty() {
+        s.push_str(&format!(" options={}", quote_conn_value(options)));
+    }
+    s
+}
+
+async fn session(addr: SocketAddr, app: &str, options: &str) -> (Client, SocketAddr) {
+    connect_from(addr, &connstr(addr.port(), app, options)).await
+}
+
+async fn backend_pid(client: &Client) -> i64 {
+    let pid: i32 = client
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pg_backend_pid()")
+        .get(0);
+    i64::from(pid)
+}
+
+/// An INSERT into `ledger` carrying [`MARKER`].
+fn insert(id: i32, note: &str) -> String {
+    format!("INSERT INTO ledger VALUES ({id}, '{MARKER} {note}')")
+}
+
+/// What one `fence rejected` event must say.
+struct ExpectedEvent<'a> {
+    application_name: &'a str,
+    client: SocketAddr,
+    backend_pid: i64,
+    resource: &'a str,
+    token: &'a str,
+    fence: Option<i64>,
+    reason: &'a str,
+    path: &'a str,
+    statement: &'a str,
+}
+
+fn assert_event(event: &Event, e: &ExpectedEvent) {
+    let ctx = format!(
+        "{} ({} {}): {event:?}",
+        e.application_name, e.reason, e.path
+    );
+    assert_eq!(level(event), "WARN", "{ctx}");
+    assert_eq!(message(event), "fence rejected", "{ctx}");
+    assert_eq!(str_field(event, "resource"), e.resource, "{ctx}");
+    assert_eq!(str_field(event, "token"), e.token, "{ctx}");
+    assert_eq!(
+        event.get("fence").and_then(Value::as_i64),
+        e.fence,
+        "fence of {ctx}"
+    );
+    assert_eq!(str_field(event, "reason"), e.reason, "{ctx}");
+    assert_eq!(str_field(event, "path"), e.path, "{ctx}");
+    assert_eq!(
+        str_field(event, "client_addr"),
+        e.client.to_string(),
+        "{ctx}"
+    );
+    assert_eq!(str_field(event, "user"), SUPERUSER, "{ctx}");
+    assert_eq!(str_field(event, "database"), APP_DB, "{ctx}");
+    assert_eq!(
+        str_field(event, "application_name"),
+        e.application_name,
+        "{ctx}"
+    );
+    assert_eq!(int_field(event, "backend_pid"), e.backend_pid, "{ctx}");
+    assert_eq!(str_field(event, "statement"), e.statement, "{ctx}");
+}
+
+#[tokio::test]
+async fn json_log_has_one_event_per_rejection() {
+    let cluster = cluster_with_ledger().await;
+    let config = config(&cluster);
+    let proxy = ProxyProcess::builder()
+        .config(config.clone())
+        .args(["--config", "{config}", "--log-format", "json"])
+        .env("RUST_LOG", "debug")
+        .start();
+    // Another pgfence in front of the same database: the new leader writes through it, so
+    // the proxy under test learns of the higher tokens only from the database.
+    let other = Proxy::start(config);
+    let leader = |options: &'static str| {
+        let connstr = connstr(other.port(), "leader", options);
+        async move { harness::connect_to(&connstr).await }
+    };
+
+    // Accepted: the fence of billing advances from nothing to 5.
+    let (a, a_addr) = session(
+        proxy.addr(),
+        "writer-a",
+        "-c fencing.token=5 -c fencing.resource=billing",
+    )
+    .await;
+    let a_pid = backend_pid(&a).await;
+    a.batch_execute(&insert(1, "accepted"))
+        .await
+        .expect("token 5 is accepted");
+
+    // The new leader writes 7 elsewhere; writer-a's next write is stale. The proxy only knows
+    // 5: the database rejects it. The statement is longer than 200 characters.
+    leader("-c fencing.token=7 -c fencing.resource=billing")
+        .await
+        .batch_execute(&insert(100, "leader"))
+        .await
+        .expect("token 7 is accepted");
+    let long = insert(2, &format!("database {}", "x".repeat(300)));
+    assert_rejected(
+        &a.batch_execute(&long).await,
+        &fence::stale("billing", 5, 7),
+        "writer-a, database path",
+    );
+    // Now the proxy knows 7: the fast path rejects without asking the database.
+    let fast = insert(3, "fast");
+    assert_rejected(
+        &a.batch_execute(&fast).await,
+        &fence::stale("billing", 5, 7),
+        "writer-a, fast path",
+    );
+
+    // Fast path inside an explicit transaction, over the extended protocol: one rejection,
+    // the statements after it fail as in any aborted transaction, COMMIT rolls back.
+    let (t, t_addr) = session(
+        proxy.addr(),
+        "writer-tx",
+        "-c fencing.token=6 -c fencing.resource=billing",
+    )
+    .await;
+    let t_pid = backend_pid(&t).await;
+    t.batch_execute("BEGIN").await.expect("BEGIN");
+    let tx_first = insert(4, "tx first");
+    assert_rejected(
+        &t.execute(tx_first.as_str(), &[]).await,
+        &fence::stale("billing", 6, 7),
+        "writer-tx, first write",
+    );
+    assert_eq!(
+        sqlstate(&t.execute(insert(5, "tx second").as_str(), &[]).await).as_deref(),
+        Some("25P02"),
+        "writer-tx, second write in the aborted transaction"
+    );
+    t.batch_execute("COMMIT").await.expect("COMMIT rolls back");
+
+    // Missing token: the configured default resource billing requires one.
+    let (m, m_addr) = session(proxy.addr(), "writer-missing", "").await;
+    let m_pid = backend_pid(&m).await;
+    let missing = insert(6, "missing");
+    assert_rejected(
+        &m.batch_execute(&missing).await,
+        &fence::missing("billing"),
+        "writer-missing",
+    );
+
+    // Invalid token, in a comment.
+    let invalid = format!("/* fencing_token=abc */ {}", insert(7, "invalid"));
+    assert_rejected(
+        &m.batch_execute(&invalid).await,
+        &fence::invalid_token("billing", "abc"),
+        "writer-missing, invalid token",
+    );
+
+    // Database path at an explicit COMMIT, two writes in the transaction: one event.
+    leader("-c fencing.token=9 -c fencing.resource=orders")
+        .await
+        .batch_execute(&insert(101, "orders leader"))
+        .await
+        .expect("orders token 9 is accepted");
+    let (mut o, o_addr) = session(
+        proxy.addr(),
+        "writer-orders",
+        "-c fencing.token=8 -c fencing.resource=orders",
+    )
+    .await;
+    let o_pid = backend_pid(&o).await;
+    let commit = async {
+        let tx = o.build_transaction().start().await?;
+        tx.execute(insert(8, "orders one").as_str(), &[]).await?;
+        tx.execute(insert(9, "orders two").as_str(), &[]).await?;
+        tx.commit().await
+    }
+    .await;
+    assert_rejected(
+        &commit,
+        &fence::stale("orders", 8, 9),
+        "writer-orders at COMMIT",
+    );
+
+    // A later accepted write raises the fence the proxy knows (7, learned from a rejection).
+    let (b, _) = session(
+        proxy.addr(),
+        "writer-b",
+        "-c fencing.token=10 -c fencing.resource=billing",
+    )
+    .await;
+    b.batch_execute(&insert(10, "accepted b"))
+        .await
+        .expect("token 10 is accepted");
+    drop((a, t, m, o, b));
+
+    // At least the harness's readiness probe has come and gone.
+    let logs = wait_for_log(&proxy, 0, "client disconnected");
+    let events = json_events(&logs);
+    let rejected: Vec<&Event> = events
+        .iter()
+        .filter(|e| message(e) == "fence rejected")
+        .collect();
+    let of = |app: &str| -> Vec<&Event> {
+        rejected
+            .iter()
+            .copied()
+            .filter(|e| e.get("application_name").and_then(Value::as_str) == Some(app))
+            .collect()
+    };
+    assert_eq!(
+        rejected.len(),
+        6,
+        "one event per rejected transaction:\n{logs}"
+    );
+    let writer_a = of("writer-a");
+    assert_eq!(writer_a.len(), 2, "{writer_a:?}");
+    let first_200: String = long.chars().take(200).collect();
+    assert_event(
+        writer_a[0],
+        &ExpectedEvent {
+            application_name: "writer-a",
+            client: a_addr,
+            backend_pid: a_pid,
+            resource: "billing",
+            token: "5",
+            fence: Some(7),
+            reason: "stale",
+            path: "database",
+            statement: &first_200,
+        },
+    );
+    assert_event(
+        writer_a[1],
+        &ExpectedEvent {
+            application_name: "writer-a",
+            client: a_addr,
+            backend_pid: a_pid,
+            resource: "billing",
+            token: "5",
+            fence: Some(7),
+            reason: "stale",
+            path: "fast",
+            statement: &fast,
+        },
+    );
+    let writer_tx = of("writer-tx");
+    assert_eq!(writer_tx.len(), 1, "{writer_tx:?}");
+    assert_event(
+        writer_tx[0],
+        &ExpectedEvent {
+            application_name: "writer-tx",
+            client: t_addr,
+            backend_pid: t_pid,
+            resource: "billing",
+            token: "6",
+            fence: Some(7),
+            reason: "stale",
+            path: "fast",
+            statement: &tx_first,
+        },
+    );
+    let writer_missing = of("writer-missing");
+    assert_eq!(writer_missing.len(), 2, "{writer_missing:?}");
+    assert_event(
+        writer_missing[0],
+        &ExpectedEvent {
+            application_name: "writer-missing",
+            client: m_addr,
+            backend_pid: m_pid,
+            resource: "billing",
+            token: "",
+            fence: None,
+            reason: "missing",
+            path: "database",
+            statement: &missing,
+        },
+    );
+    assert_event(
+        writer_missing[1],
+        &ExpectedEvent {
+            application_name: "writer-missing",
+            client: m_addr,
+            backend_pid: m_pid,
+            resource: "billing",
+            token: "abc",
+            fence: None,
+            reason: "invalid",
+            path: "database",
+            statement: &invalid,
+        },
+    );
+    let writer_orders = of("writer-orders");
+    assert_eq!(writer_orders.len(), 1, "{writer_orders:?}");
+    let orders = writer_orders[0];
+    assert_eq!(str_field(orders, "client_addr"), o_addr.to_string());
+    assert_eq!(int_field(orders, "backend_pid"), o_pid);
+    assert_eq!(str_field(orders, "resource"), "orders");
+    assert_eq!(str_field(orders, "token"), "8");
+    assert_eq!(int_field(orders, "fence"), 9);
+    assert_eq!(str_field(orders, "reason"), "stale");
+    assert_eq!(str_field(orders, "path"), "database");
+    let statement = str_field(orders, "statement");
+    assert!(
+        !statement.is_empty() && statement.chars().count() <= 200,
+        "{orders:?}"
+    );
+
+    // Fence advances at INFO: billing none -> 5 (writer-a), 7 -> 10 (writer-b). The
+    // leader's 7 and 9 were learned from rejections, not from accepted writes here.
+    let advanced: Vec<&Event> = events
+        .iter()
+        .filter(|e| message(e) == "fence advanced")
+        .collect();
+    assert_eq!(advanced.len(), 2, "fence advanced events:\n{logs}");
+    for (event, previous, new) in [(advanced[0], "none", 5), (advanced[1], "7", 10)] {
+        assert_eq!(level(event), "INFO", "{event:?}");
+        assert_eq!(str_field(event, "resource"), "billing", "{event:?}");
+        assert_eq!(str_field(event, "previous"), previous, "{event:?}");
+        assert_eq!(int_field(event, "new"), new, "{event:?}");
+    }
+    assert_eq!(str_field(advanced[0], "client"), a_addr.to_string());
+
+    // Statement text appears only in rejections, at INFO and above.
+    for event in &events {
+        let loud = matches!(level(event), "INFO" | "WARN" | "ERROR");
+        if loud && message(event) != "fence rejected" {
+            let text = serde_json::to_string(event).expect("serialize an event");
+            assert!(
+                !text.contains(MARKER) && !text.contains("INSERT"),
+                "statement text in a {} event: {text}",
+                level(event)
+            );
+        }
+    }
+    // Connections open and close at DEBUG.
+    for what in ["client connected", "client disconnected"] {
+        let found: Vec<&Event> = events.iter().filter(|e| message(e) == what).collect();
+        assert!(!found.is_empty(), "no {what:?} event:\n{logs}");
+        assert!(
+            found.iter().all(|e| level(e) == "DEBUG"),
+            "{what:?} above DEBUG: {found:?}"
+        );
+    }
+    // A line as written (shown with --nocapture; the README's sample comes from here).
+    let sample = logs
+        .lines()
+        .filter(|l| l.contains("\"fence rejected\""))
+        .nth(1);
+    eprintln!("sample rejection line: {}", sample.unwrap_or_default());
+}
+
+#[tokio::test]
+async fn text_log_without_fast_path() {
+    let cluster = cluster_with_ledger().await;
+    let mut config = config(&cluster);
+    config.fence.fast_path = false;
+    let proxy = ProxyProcess::builder()
+        .config(config.clone())
+        .args(["--config", "{config}"])
+        .env("RUST_LOG", "info")
+        .start();
+    let other = Proxy::start(config);
+    let leader = harness::connect_to(&connstr(
+        other.port(),
+        "leader",
+        "-c fencing.token=7 -c fencing.resource=billing",
+    ))
+    .await;
+
+    let (a, a_addr) = session(
+        proxy.addr(),
+        "writer-a",
+        "-c fencing.token=5 -c fencing.resource=billing",
+    )
+    .await;
+    a.batch_execute(&insert(1, "accepted"))
+        .await
+        .expect("token 5 is accepted");
+    leader
+        .batch_execute(&insert(100, "leader"))
+        .await
+        .expect("token 7 is accepted");
+    // The second statement spans two lines, the second looking like a log line of its own.
+    let forged = "2026-01-01T00:00:00.000000Z  WARN pgfence: fence rejected resource=forged";
+    for (n, note) in ["stale".to_string(), format!("stale\n{forged}")]
+        .iter()
+        .enumerate()
+    {
+        assert_rejected(
+            &a.batch_execute(&insert(2 + n as i32, note)).await,
+            &fence::stale("billing", 5, 7),
+            &format!("stale write {n}"),
+        );
+    }
+
+    let logs = proxy.logs();
+    let lines: Vec<&str> = logs
+        .lines()
+        .filter(|l| l.contains("fence rejected"))
+        .collect();
+    assert_eq!(lines.len(), 2, "one line per rejection:\n{logs}");
+    for (i, line) in lines.iter().enumerate() {
+        assert!(
+            serde_json::from_str::<Value>(line).is_err(),
+            "text by default: {line}"
+        );
+        // Strings are quoted, so that a value with spaces (a statement) reads as one field.
+        for part in [
+            " WARN ",
+            "resource=\"billing\"",
+            "token=\"5\"",
+            "fence=7",
+            "reason=\"stale\"",
+            "path=\"database\"",
+            &format!("client_addr=\"{a_addr}\""),
+            "user=\"postgres\"",
+            "database=\"app\"",
+            "application_name=\"writer-a\"",
+            "backend_pid=",
+            &format!(
+                "statement=\"INSERT INTO ledger VALUES ({}, '{MARKER} stale",
+                2 + i
+            ),
+        ] {
+            assert!(line.contains(part), "{part:?} missing from: {line}");
+        }
+    }
+    assert!(
+        lines[1].contains(&format!("stale\\n{forged}')\"")),
+        "the newline of the statement is escaped: {}",
+        lines[1]
+    );
+    let advanced: Vec<&str> = logs
+        .lines()
+        .filter(|l| l.contains("fence advanced"))
+        .collect();
+    assert_eq!(advanced.len(), 1, "one advance (none -> 5):\n{logs}");
+    assert!(
+        advanced[0].contains(" INFO ") && advanced[0].contains("new=5"),
+        "{}",
+        advanced[0]
+    );
+}

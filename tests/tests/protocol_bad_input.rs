@@ -1,0 +1,564 @@
+//! Bad input over raw TCP, through pgfence in front of a real PostgreSQL.
+//!
+//! Each case checks that the offending client gets a FATAL ErrorResponse (SQLSTATE 08P01)
+//! where the protocol allows one, that its connection closes, that its upstream backend goes
+//! away, and that other sessions through the same proxy (one idle, one with a transaction
+//! open across all the cases) keep working during and after:
+//!
+//! - [`startup_phase_garbage_is_refused`]: an HTTP request instead of a startup packet,
+//!   startup lengths below 8 / above the cap / negative, protocol version 2 (the same
+//!   SQLSTATE PostgreSQL gives), a truncated startup packet then close, a client that never
+//!   finishes its startup (startup timeout).
+//! - [`ready_phase_bad_frames_are_refused`]: after login, a truncated frame then close,
+//!   length < 4, a length beyond `limits.max_message_size` (and a message just under it
+//!   passing), a negative length, an unknown tag; and a Query where the server asked for a
+//!   password (authentication phase).
+//! - [`encryption_requests_are_declined_then_startup_works`]: SSLRequest and GSSENCRequest
+//!   answered `N`, then a normal login; bytes sent before the answer are refused.
+//! - [`cancel_with_unknown_key_does_nothing`]: a CancelRequest with a made-up key, or with
+//!   a live session's pid and a wrong key, cancels nothing.
+//! - [`upstream_down_gives_fatal_naming_it`]: no server at the upstream address: FATAL
+//!   08006 naming it; an upstream that stops mid-session and comes back.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use harness::wire::{self, assert_error, RawConn, Read1};
+use harness::{free_port, try_connect_to, PgCluster, Proxy, APP_DB, SCRAM_USER, SUPERUSER};
+
+/// The message cap of these tests' proxies.
+const MAX_MESSAGE: u32 = 64 * 1024;
+
+fn proxy_for(cluster: &PgCluster) -> Proxy {
+    let mut config = Proxy::config_for(cluster);
+    config.limits.max_message_size = MAX_MESSAGE;
+    config.limits.startup_timeout = Duration::from_secs(1);
+    Proxy::start(config)
+}
+
+fn install_fence(cluster: &PgCluster) {
+    cluster.psql(APP_DB, &fence_core::sql::install_sql(None));
+}
+
+/// Sessions through the proxy that must not notice anything: one idle between queries, one
+/// inside a transaction that writes before the bad input and commits after it.
+struct Bystanders {
+    idle: RawConn,
+    in_tx: RawConn,
+    rounds: u32,
+}
+
+impl Bystanders {
+    fn start(proxy: SocketAddr, cluster: &PgCluster) -> Bystanders {
+        cluster.psql(APP_DB, "CREATE TABLE bystander (n int)");
+        let (idle, _) = RawConn::login(proxy, SUPERUSER, APP_DB);
+        let (mut in_tx, _) = RawConn::login(proxy, SUPERUSER, APP_DB);
+        in_tx.send(&wire::query("BEGIN; INSERT INTO bystander VALUES (1)"));
+        let replies = in_tx.until_ready();
+        assert_eq!(replies.last().and_then(|m| m.ready_status()), Some(b'T'));
+        Bystanders {
+            idle,
+            in_tx,
+            rounds: 0,
+        }
+    }
+
+    /// Both sessions answer a query correctly (simple and extended protocol).
+    fn check(&mut self, after: &str) {
+        self.rounds += 1;
+        let n = self.rounds.to_string();
+        self.idle.send(&wire::query(format!("SELECT {n}::int + 1")));
+        let replies = self.idle.until_ready();
+        let rows: Vec<_> = replies.iter().filter_map(|m| m.data_row()).collect();
+        assert_eq!(
+            rows,
+            vec![vec![Some((self.rounds + 1).to_string().into_bytes())]],
+            "idle bystander after {after}: {replies:?}"
+        );
+        let mut batch = wire::parse("", "INSERT INTO bystander VALUES ($1)", &[]);
+        batch.extend(wire::bind("", "", &[Some(n.as_bytes())]));
+        batch.extend(wire::execute("", 0));
+        batch.extend(wire::sync());
+        self.in_tx.send(&batch);
+        let replies = self.in_tx.until_ready();
+        let tags: Vec<u8> = replies.iter().map(|m| m.tag).collect();
+        assert_eq!(
+            tags, b"12CZ",
+            "bystander in a transaction after {after}: {replies:?}"
+        );
+        assert_eq!(replies[3].ready_status(), Some(b'T'));
+    }
+
+    /// Commits the open transaction; every row must be there.
+    fn finish(mut self, cluster: &PgCluster) {
+        self.in_tx.send(&wire::query("COMMIT"));
+        let replies = self.in_tx.until_ready();
+        assert_eq!(
+            replies.first().and_then(|m| m.command_tag()).as_deref(),
+            Some("COMMIT"),
+            "{replies:?}"
+        );
+        let count = cluster.psql(APP_DB, "SELECT count(*) FROM bystander");
+        assert_eq!(count.trim(), (self.rounds + 1).to_string());
+        self.idle.send(&wire::terminate());
+        assert!(self.idle.until_closed().is_empty());
+    }
+}
+
+/// Client backends connected to `cluster` other than the one asking.
+fn other_backends(cluster: &PgCluster) -> usize {
+    cluster
+        .psql(
+            "postgres",
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()",
+        )
+        .trim()
+        .parse()
+        .expect("a count")
+}
+
+/// Waits until `cluster` has `want` other client backends (a closed session's backend may
+/// take a moment to exit).
+fn wait_for_backends(cluster: &PgCluster, want: usize, case: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let n = other_backends(cluster);
+        if n == want {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "after {case}: {n} upstream backends, expected {want} (a session leaked?)"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Sends `bytes` on a fresh connection and expects one FATAL 08P01 error, then the close.
+/// Returns the error message.
+fn expect_refused(proxy: SocketAddr, prefix: &[u8], bytes: &[u8]) -> String {
+    let mut conn = RawConn::connect(proxy);
+    conn.send(prefix);
+    if !prefix.is_empty() {
+        // Let the proxy act on the prefix first (a login), so the case is what follows.
+        let _ = conn.until_ready();
+    }
+    // The proxy may close before reading everything; a reset while writing is fine.
+    let _ = conn.try_send(bytes);
+    let replies = conn.until_closed();
+    assert_eq!(
+        replies.len(),
+        1,
+        "expected exactly one ErrorResponse for {bytes:?}, got {replies:?}"
+    );
+    assert_error(&replies[0], "FATAL", "08P01")
+}
+
+fn login_bytes() -> Vec<u8> {
+    wire::startup(SUPERUSER, APP_DB)
+}
+
+#[test]
+fn startup_phase_garbage_is_refused() {
+    let cluster = PgCluster::start();
+    install_fence(&cluster);
+    let proxy = proxy_for(&cluster);
+    let mut others = Bystanders::start(proxy.addr(), &cluster);
+    let baseline = other_backends(&cluster);
+    assert_eq!(baseline, 2);
+
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        (
+            "an HTTP request",
+            b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n".to_vec(),
+        ),
+        ("length 4", vec![0, 0, 0, 4, 0, 3, 0, 0]),
+        ("length 0", vec![0; 8]),
+        ("a negative length", {
+            let mut b = (-16i32).to_be_bytes().to_vec();
+            b.extend(wire::PROTOCOL_3_0.to_be_bytes());
+            b.extend([0u8; 8]);
+            b
+        }),
+        ("a length beyond 10000", {
+            let mut b = 10_001u32.to_be_bytes().to_vec();
+            b.extend(wire::PROTOCOL_3_0.to_be_bytes());
+            b
+        }),
+        (
+            "no user",
+            wire::startup_version(wire::PROTOCOL_3_0, &[("database", b"app")]),
+        ),
+        ("an unterminated parameter list", {
+            let mut b = wire::startup(SUPERUSER, APP_DB);
+            b.pop();
+            let len = u32::try_from(b.len()).unwrap();
+            b[..4].copy_from_slice(&len.to_be_bytes());
+            b
+        }),
+        ("a cancel request of the wrong size", {
+            wire::startup_packet(wire::CANCEL_REQUEST_CODE, &[0; 4])
+        }),
+    ];
+    for (case, bytes) in &cases {
+        let message = expect_refused(proxy.addr(), &[], bytes);
+        eprintln!("{case}: {message}");
+        wait_for_backends(&cluster, baseline, case);
+        others.check(case);
+    }
+
+    // Protocol 2: refused as PostgreSQL refuses it, in protocol 2's error format (no
+    // SQLSTATE: `E`, text, NUL). Protocol 4: a protocol 3 error, SQLSTATE 0A000 from both.
+    let direct_addr = SocketAddr::from(([127, 0, 0, 1], cluster.port()));
+    let v2 = wire::startup_version(2 << 16, &[("user", b"postgres"), ("database", b"app")]);
+    let mut replies = Vec::new();
+    for addr in [direct_addr, proxy.addr()] {
+        let mut conn = RawConn::connect(addr);
+        conn.send(&v2);
+        let reply = conn.read_to_end();
+        let text = String::from_utf8_lossy(&reply).into_owned();
+        assert!(
+            text.starts_with("EFATAL:  ") && text.ends_with("\n\0"),
+            "{addr}: {text:?}"
+        );
+        assert!(
+            text.contains("unsupported frontend protocol 2.0"),
+            "{text:?}"
+        );
+        replies.push(text);
+    }
+    eprintln!("protocol 2: {replies:?}");
+    others.check("protocol version 2");
+    let v4 = wire::startup_version(4 << 16, &[("user", b"postgres"), ("database", b"app")]);
+    for addr in [direct_addr, proxy.addr()] {
+        let mut conn = RawConn::connect(addr);
+        conn.send(&v4);
+        let replies = conn.until_closed();
+        assert_eq!(replies.len(), 1, "{addr}: {replies:?}");
+        let message = assert_error(&replies[0], "FATAL", "0A000");
+        assert!(message.contains("4.0"), "{message}");
+    }
+    others.check("protocol version 4");
+
+    // A truncated startup packet, then close: nothing to answer, nothing left behind.
+    let mut conn = RawConn::connect(proxy.addr());
+    let full = login_bytes();
+    conn.send(&full[..full.len() - 3]);
+    conn.shutdown_write();
+    assert!(conn.until_closed().is_empty());
+    wait_for_backends(&cluster, baseline, "a truncated startup packet");
+    others.check("a truncated startup packet");
+
+    // Half a startup packet and then silence: the startup timeout (1 s here) ends it.
+    let started = Instant::now();
+    let mut conn = RawConn::connect(proxy.addr());
+    conn.send(&full[..6]);
+    let replies = conn.until_closed();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(replies.len(), 1, "{replies:?}");
+    assert_error(&replies[0], "FATAL", "08P01");
+    others.check("a startup timeout");
+
+    // Connect and close at once, many times: nothing to say, nothing to leak.
+    for _ in 0..20 {
+        drop(RawConn::connect(proxy.addr()));
+    }
+    others.check("connect-and-close");
+    wait_for_backends(&cluster, baseline, "connect-and-close");
+
+    others.finish(&cluster);
+}
+
+#[test]
+fn ready_phase_bad_frames_are_refused() {
+    let cluster = PgCluster::start();
+    install_fence(&cluster);
+    let proxy = proxy_for(&cluster);
+    let mut others = Bystanders::start(proxy.addr(), &cluster);
+    let baseline = other_backends(&cluster);
+    let login = login_bytes();
+
+    let over_cap = {
+        let mut b = vec![b'Q'];
+        b.extend((MAX_MESSAGE + 1).to_be_bytes());
+        b.extend(b"SELECT 1");
+        b
+    };
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        ("length 3", vec![b'Q', 0, 0, 0, 3]),
+        ("length 0", vec![b'S', 0, 0, 0, 0]),
+        ("a negative length", vec![b'Q', 0xff, 0xff, 0xff, 0xf0, 0]),
+        ("a length beyond the cap", over_cap),
+        ("an unknown tag", wire::frame(b'z', b"")),
+        ("a backend tag", wire::frame(b'Z', b"I")),
+        ("a NUL tag", wire::frame(0, b"")),
+    ];
+    for (case, bytes) in &cases {
+        let message = expect_refused(proxy.addr(), &login, bytes);
+        eprintln!("{case}: {message}");
+        if case.contains("cap") {
+            assert!(message.contains(&MAX_MESSAGE.to_string()), "{message}");
+        }
+        wait_for_backends(&cluster, baseline, case);
+        others.check(case);
+    }
+
+    // A bad frame after a valid message in the same write: the session ends with the
+    // FATAL error; whatever of the valid message's replies came before it is intact.
+    let mut conn = RawConn::connect(proxy.addr());
+    conn.send(&login);
+    conn.until_ready();
+    let mut bytes = wire::query("SELECT 42");
+    bytes.extend(wire::frame(b'z', b""));
+    conn.send(&bytes);
+    let replies = conn.until_closed();
+    let tags: Vec<u8> = replies.iter().map(|m| m.tag).collect();
+    let (last, before) = tags.split_last().expect("an error");
+    assert!(b"TDCZ".starts_with(before) && *last == b'E', "{replies:?}");
+    assert_error(replies.last().unwrap(), "FATAL", "08P01");
+    wait_for_backends(&cluster, baseline, "a bad frame after a good one");
+    others.check("a bad frame after a good one");
+
+    // A message just under the cap passes.
+    let mut conn = RawConn::connect(proxy.addr());
+    conn.send(&login);
+    conn.until_ready();
+    let filler = "x".repeat(usize::try_from(MAX_MESSAGE).unwrap() - 100);
+    conn.send(&wire::query(format!("SELECT length('{filler}')")));
+    let replies = conn.until_ready();
+    let rows: Vec<_> = replies.iter().filter_map(|m| m.data_row()).collect();
+    assert_eq!(
+        rows,
+        vec![vec![Some(filler.len().to_string().into_bytes())]],
+        "{replies:?}"
+    );
+    conn.send(&wire::terminate());
+    assert!(conn.until_closed().is_empty());
+
+    // The cap is on what clients send: server replies beyond it pass.
+    let mut conn = RawConn::connect(proxy.addr());
+    conn.send(&login);
+    conn.until_ready();
+    conn.send(&wire::query("SELECT repeat('y', 300000)"));
+    let replies = conn.until_ready();
+    let rows: Vec<_> = replies.iter().filter_map(|m| m.data_row()).collect();
+    assert_eq!(rows, vec![vec![Some(vec![b'y'; 300_000])]], "{replies:?}");
+    conn.send(&wire::terminate());
+    assert!(conn.until_closed().is_empty());
+
+    // A truncated frame, then the client goes away: the upstream session ends too.
+    let mut conn = RawConn::connect(proxy.addr());
+    conn.send(&login);
+    conn.until_ready();
+    let q = wire::query("SELECT 1");
+    conn.send(&q[..q.len() - 4]);
+    conn.shutdown_write();
+    assert!(conn.until_closed().is_empty());
+    wait_for_backends(&cluster, baseline, "a truncated frame then close");
+    others.check("a truncated frame then close");
+
+    // A Query while the server waits for a SCRAM password: refused, no password leaks.
+    let mut conn = RawConn::connect(proxy.addr());
+    conn.send(&wire::startup(SCRAM_USER, APP_DB));
+    let auth = conn.recv();
+    assert_eq!(auth.tag, b'R', "{auth:?}");
+    assert_eq!(&auth.body[..4], &10u32.to_be_bytes(), "AuthenticationSASL");
+    conn.send(&wire::query("SELECT 1"));
+    let replies = conn.until_closed();
+    assert_eq!(replies.len(), 1, "{replies:?}");
+    assert_error(&replies[0], "FATAL", "08P01");
+    wait_for_backends(&cluster, baseline, "a query during authentication");
+    others.check("a query during authentication");
+
+    others.finish(&cluster);
+}
+
+#[test]
+fn encryption_requests_are_declined_then_startup_works() {
+    let cluster = PgCluster::start();
+    let proxy = proxy_for(&cluster);
+    for requests in [
+        vec![wire::ssl_request()],
+        vec![wire::gssenc_request()],
+        // libpq with gssencmode=prefer and sslmode=prefer asks for both, GSS first.
+        vec![wire::gssenc_request(), wire::ssl_request()],
+    ] {
+        let mut conn = RawConn::connect(proxy.addr());
+        for request in &requests {
+            conn.send(request);
+            assert_eq!(conn.read_bytes(1), b"N");
+        }
+        conn.send(&login_bytes());
+        let replies = conn.until_ready();
+        assert_eq!(replies[0].tag, b'R');
+        conn.send(&wire::query("SELECT 'plain'"));
+        let replies = conn.until_ready();
+        let rows: Vec<_> = replies.iter().filter_map(|m| m.data_row()).collect();
+        assert_eq!(rows, vec![vec![Some(b"plain".to_vec())]]);
+    }
+
+    // And as real clients ask for it.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        for mode in ["prefer", "disable"] {
+            let connstr = format!("{} sslmode={mode}", proxy.connstr(APP_DB));
+            let client = try_connect_to(&connstr).await.expect(mode);
+            client.simple_query("SELECT 1").await.expect(mode);
+        }
+        let connstr = format!("{} sslmode=require", proxy.connstr(APP_DB));
+        let Err(err) = try_connect_to(&connstr).await else {
+            panic!("sslmode=require cannot succeed against N");
+        };
+        eprintln!("sslmode=require: {err}");
+    });
+    let out = proxy.psql(APP_DB, "SELECT 'psql over sslmode=prefer'");
+    assert_eq!(out, "psql over sslmode=prefer\n");
+
+    // A client that sends its startup packet without waiting for the answer to its
+    // SSLRequest: like PostgreSQL, `N` and then FATAL 08P01 (bytes that arrived before the
+    // answer could have been injected by a man in the middle), both to the same bytes.
+    let mut bytes = wire::ssl_request();
+    bytes.extend(login_bytes());
+    let direct_addr = SocketAddr::from(([127, 0, 0, 1], cluster.port()));
+    for addr in [direct_addr, proxy.addr()] {
+        let mut conn = RawConn::connect(addr);
+        conn.send(&bytes);
+        assert_eq!(conn.read_bytes(1), b"N", "{addr}");
+        let replies = conn.until_closed();
+        assert_eq!(replies.len(), 1, "{addr}: {replies:?}");
+        let message = assert_error(&replies[0], "FATAL", "08P01");
+        eprintln!("{addr}: {message}");
+    }
+}
+
+#[test]
+fn cancel_with_unknown_key_does_nothing() {
+    let cluster = PgCluster::start();
+    install_fence(&cluster);
+    let proxy = proxy_for(&cluster);
+    let (mut busy, startup) = RawConn::login(proxy.addr(), SUPERUSER, APP_DB);
+    let key = startup
+        .iter()
+        .find(|m| m.tag == b'K')
+        .expect("BackendKeyData");
+    let pid = i32::from_be_bytes(key.body[..4].try_into().unwrap());
+    let secret = i32::from_be_bytes(key.body[4..8].try_into().unwrap());
+    let real_pid: i32 = {
+        busy.send(&wire::query("SELECT pg_backend_pid()"));
+        let replies = busy.until_ready();
+        let row = replies.iter().find_map(|m| m.data_row()).unwrap();
+        String::from_utf8(row[0].clone().unwrap())
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    busy.send(&wire::query("SELECT pg_sleep(1), 'slept'"));
+    std::thread::sleep(Duration::from_millis(200));
+    for (what, p, k) in [
+        ("a made-up key", 12345, 67890),
+        (
+            "the session's pid with a wrong key",
+            pid,
+            secret.wrapping_add(1),
+        ),
+        ("the upstream's real pid", real_pid, secret),
+    ] {
+        let mut conn = RawConn::connect(proxy.addr());
+        conn.send(&wire::cancel_request(p, k));
+        let replies = conn.until_closed();
+        assert!(replies.is_empty(), "cancel with {what}: {replies:?}");
+    }
+    let replies = busy.until_ready();
+    assert!(
+        replies.iter().all(|m| m.tag != b'E'),
+        "a cancel with a wrong key cancelled the query: {replies:?}"
+    );
+    let rows: Vec<_> = replies.iter().filter_map(|m| m.data_row()).collect();
+    assert_eq!(rows.len(), 1, "{replies:?}");
+    assert_eq!(rows[0][1].as_deref(), Some(&b"slept"[..]));
+
+    // The right key still works, afterwards (sent until it lands: a cancel that arrives
+    // before the query started is lost).
+    busy.send(&wire::query("SELECT pg_sleep(30)"));
+    let first = loop {
+        std::thread::sleep(Duration::from_millis(200));
+        let mut conn = RawConn::connect(proxy.addr());
+        conn.send(&wire::cancel_request(pid, secret));
+        assert!(conn.until_closed().is_empty());
+        if let Ok(Read1::Msg(m)) = busy.next(Duration::from_millis(500)) {
+            break m;
+        }
+    };
+    let mut replies = vec![first];
+    if replies[0].tag != b'Z' {
+        replies.extend(busy.until_ready());
+    }
+    let error = replies.iter().find(|m| m.tag == b'E').expect("cancelled");
+    assert_error(error, "ERROR", "57014");
+}
+
+#[test]
+fn upstream_down_gives_fatal_naming_it() {
+    // Nothing listens on this port.
+    let dead_port = free_port();
+    let mut config = pgfence_config::Config::default();
+    config.upstream.port = dead_port;
+    config.limits.connect_timeout = Duration::from_secs(2);
+    let proxy = Proxy::start(config);
+    let mut conn = RawConn::connect(proxy.addr());
+    conn.send(&login_bytes());
+    let replies = conn.until_closed();
+    assert_eq!(replies.len(), 1, "{replies:?}");
+    let message = assert_error(&replies[0], "FATAL", "08006");
+    let upstream = format!("127.0.0.1:{dead_port}");
+    assert!(message.contains(&upstream), "{message}");
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let Err(err) = rt.block_on(try_connect_to(&proxy.connstr(APP_DB))) else {
+        panic!("no upstream, no session");
+    };
+    let db = err.as_db_error().expect("a server error, not an I/O error");
+    assert_eq!(db.code().code(), "08006");
+    assert_eq!(db.severity(), "FATAL");
+    assert!(db.message().contains(&upstream), "{db:?}");
+    drop(proxy);
+
+    // An upstream that goes away mid-session and comes back.
+    let mut cluster = PgCluster::start();
+    let proxy = proxy_for(&cluster);
+    let (mut conn, _) = RawConn::login(proxy.addr(), SUPERUSER, APP_DB);
+    cluster.stop_server();
+    // PostgreSQL says goodbye (57P01 admin_shutdown), pgfence passes it on and closes.
+    let replies = conn.until_closed();
+    assert_eq!(replies.len(), 1, "{replies:?}");
+    assert_error(&replies[0], "FATAL", "57P01");
+    let mut conn = RawConn::connect(proxy.addr());
+    conn.send(&login_bytes());
+    let replies = conn.until_closed();
+    assert_eq!(replies.len(), 1, "{replies:?}");
+    let message = assert_error(&replies[0], "FATAL", "08006");
+    assert!(
+        message.contains(&format!("127.0.0.1:{}", cluster.port())),
+        "{message}"
+    );
+    cluster.start_server();
+    let (mut conn, _) = RawConn::login(proxy.addr(), SUPERUSER, APP_DB);
+    conn.send(&wire::query("SELECT 'back'"));
+    let rows: Vec<_> = conn
+        .until_ready()
+        .iter()
+        .filter_map(|m| m.data_row())
+        .collect();
+    assert_eq!(rows, vec![vec![Some(b"back".to_vec())]]);
+}

@@ -1,0 +1,617 @@
+//! Differential protocol test: the same byte sequences, sent raw over TCP straight to
+//! PostgreSQL and through pgfence, must get the same reply bytes.
+//!
+//! Three clusters are copies of one template with the same setup (the fence schema
+//! installed in each), so object ids and everything else in the replies match: one is
+//! spoken to directly, one through pgfence with the fence on (the product: pgfence injects
+//! its check into writing transactions and must hide it), one through pgfence with the fence
+//! off. Only BackendKeyData (pgfence hands out its own) and the sender pid in
+//! NotificationResponse are normalised.
+//!
+//! [`SCRIPT`] covers: trust login; simple queries (one and several statements, empty, an
+//! error half way, pipelined queries, a failed transaction and its COMMIT); the extended
+//! protocol (named and unnamed statements, Describe of statements and portals, pipelined
+//! batches, an error mid-batch, Flush, Execute with a row limit and PortalSuspended, Close,
+//! errors for unknown statements); COPY FROM STDIN with CopyData/CopyDone, CopyFail and bad
+//! data, both protocols (libpq's and tokio-postgres's message orders), COPY TO STDOUT in text
+//! and binary; FunctionCall (`abs(int4)`, NULL, an unknown function); LISTEN/NOTIFY to self;
+//! notices from a DO block; ParameterStatus; SQL that is not valid UTF-8; savepoints and
+//! commits in both protocols; Terminate. Further sessions: a LATIN1 client encoding, startup
+//! parameters (`application_name`, `options`), and protocol version 3.1 with a `_pq_`
+//! option (NegotiateProtocolVersion).
+
+use std::net::SocketAddr;
+
+use harness::wire::{self, Msg, RawConn};
+use harness::{PgCluster, Proxy, APP_DB, SUPERUSER};
+
+/// How to read the replies to one step.
+#[derive(Debug, Clone, Copy)]
+enum Until {
+    /// This many ReadyForQuery messages.
+    Ready(usize),
+    /// Up to the first message with this tag.
+    Tag(u8),
+    /// The connection's end.
+    Closed,
+}
+
+/// Bytes to send and how far to read the replies.
+struct Step {
+    name: String,
+    send: Vec<u8>,
+    until: Until,
+}
+
+fn step(name: &str, send: Vec<u8>, until: Until) -> Step {
+    Step {
+        name: name.to_string(),
+        send,
+        until,
+    }
+}
+
+fn cat(parts: &[Vec<u8>]) -> Vec<u8> {
+    parts.concat()
+}
+
+fn q(sql: &str) -> Vec<u8> {
+    wire::query(sql)
+}
+
+/// Parse + Bind + Execute of `sql` with text parameters, unnamed statement and portal.
+fn pbe(sql: &str, params: &[Option<&[u8]>]) -> Vec<u8> {
+    cat(&[
+        wire::parse("", sql, &[]),
+        wire::bind("", "", params),
+        wire::execute("", 0),
+    ])
+}
+
+/// One login and its steps.
+struct Session {
+    name: &'static str,
+    startup: Vec<u8>,
+    steps: Vec<Step>,
+}
+
+/// The main session's steps. `abs_oid` is the oid of `abs(int4)`.
+fn main_steps(abs_oid: u32) -> Vec<Step> {
+    use Until::*;
+    vec![
+        step(
+            "simple select",
+            q("SELECT 1 AS one, 'two'::text AS two, NULL::int AS three, 1.5::numeric AS four"),
+            Ready(1),
+        ),
+        step(
+            "ddl and dml in one query",
+            q("CREATE TABLE d (id int PRIMARY KEY, t text); \
+               INSERT INTO d VALUES (1, 'a'), (2, 'b'); SELECT * FROM d ORDER BY id; \
+               UPDATE d SET t = t || '!' WHERE id = 2"),
+            Ready(1),
+        ),
+        step(
+            "empty queries",
+            cat(&[q(""), q(";"), q("-- a comment only"), q("/* block */ ;")]),
+            Ready(4),
+        ),
+        step(
+            "error half way through a query",
+            cat(&[
+                q("INSERT INTO d VALUES (3, 'c'); SELECT 1/0; INSERT INTO d VALUES (4, 'd')"),
+                q("SELECT count(*) FROM d"),
+            ]),
+            Ready(2),
+        ),
+        step(
+            "failed transaction, pipelined simple queries",
+            cat(&[
+                q("BEGIN; INSERT INTO d VALUES (5, 'e')"),
+                q("SELECT nope"),
+                q("SELECT 1"),
+                q("COMMIT"),
+                q("SELECT count(*) FROM d"),
+            ]),
+            Ready(5),
+        ),
+        step(
+            "named statement, described",
+            cat(&[
+                wire::parse("s1", "SELECT $1::int + 1 AS n, $2::text AS t", &[23, 25]),
+                wire::describe(b'S', "s1"),
+                wire::bind("", "s1", &[Some(b"41"), Some(b"x")]),
+                wire::describe(b'P', ""),
+                wire::execute("", 0),
+                s(),
+            ]),
+            Ready(1),
+        ),
+        step(
+            "pipelined batches",
+            cat(&[
+                pbe("INSERT INTO d VALUES ($1, $2)", &[Some(b"6"), Some(b"f")]),
+                wire::bind("", "", &[Some(b"7"), Some(b"g")]),
+                wire::execute("", 0),
+                pbe("SELECT count(*) FROM d", &[]),
+                s(),
+                wire::parse("", "SELECT t FROM d ORDER BY id", &[]),
+                wire::bind("", "", &[]),
+                wire::describe(b'P', ""),
+                wire::execute("", 0),
+                s(),
+                wire::bind("", "s1", &[None, None]),
+                wire::execute("", 0),
+                s(),
+            ]),
+            Ready(3),
+        ),
+        step(
+            "error mid-batch",
+            cat(&[
+                pbe("INSERT INTO d VALUES (10, 'j')", &[]),
+                pbe("SELECT 1/0", &[]),
+                pbe("INSERT INTO d VALUES (11, 'k')", &[]),
+                s(),
+                pbe("SELECT count(*) FROM d WHERE id >= 10", &[]),
+                s(),
+            ]),
+            Ready(2),
+        ),
+        step(
+            "flush",
+            cat(&[
+                wire::parse("", "SELECT generate_series(1, 3) AS g", &[]),
+                wire::bind("", "", &[]),
+                wire::describe(b'P', ""),
+                wire::execute("", 0),
+                wire::flush(),
+            ]),
+            Tag(b'C'),
+        ),
+        step("sync after flush", s(), Ready(1)),
+        step(
+            "write, flush, then sync",
+            cat(&[pbe("INSERT INTO d VALUES (12, 'l')", &[]), wire::flush()]),
+            Tag(b'C'),
+        ),
+        step("sync after the flushed write", s(), Ready(1)),
+        step(
+            "row limit and PortalSuspended",
+            cat(&[
+                wire::parse("", "SELECT generate_series(1, 5)", &[]),
+                wire::bind("p1", "", &[]),
+                wire::execute("p1", 2),
+                wire::execute("p1", 2),
+                wire::execute("p1", 2),
+                wire::close(b'P', "p1"),
+                s(),
+            ]),
+            Ready(1),
+        ),
+        step(
+            "copy in, simple protocol",
+            q("COPY d FROM STDIN"),
+            Tag(b'G'),
+        ),
+        step(
+            "copy data and done",
+            cat(&[
+                wire::copy_data(b"20\tx\n21\t"),
+                wire::copy_data(b"y\n"),
+                wire::copy_done(),
+            ]),
+            Ready(1),
+        ),
+        step("copy in to fail", q("COPY d FROM STDIN"), Tag(b'G')),
+        step(
+            "copy fail",
+            cat(&[
+                wire::copy_data(b"30\tz\n"),
+                wire::copy_fail("client gave up"),
+            ]),
+            Ready(1),
+        ),
+        step("copy in with bad data", q("COPY d FROM STDIN"), Tag(b'G')),
+        step(
+            "bad copy data",
+            cat(&[wire::copy_data(b"not a number\tz\n"), wire::copy_done()]),
+            Ready(1),
+        ),
+        step(
+            "copy out, text and binary",
+            cat(&[
+                q("COPY (SELECT * FROM d ORDER BY id) TO STDOUT"),
+                q("COPY (SELECT id FROM d WHERE id < 3 ORDER BY id) TO STDOUT (FORMAT binary)"),
+            ]),
+            Ready(2),
+        ),
+        step(
+            "copy in, extended protocol, libpq order",
+            cat(&[
+                wire::parse("", "COPY d FROM STDIN", &[]),
+                wire::bind("", "", &[]),
+                wire::describe(b'P', ""),
+                wire::execute("", 0),
+                s(),
+                wire::copy_data(b"40\tq\n"),
+                wire::copy_done(),
+                s(),
+            ]),
+            Ready(1),
+        ),
+        step(
+            "copy in, extended protocol, tokio-postgres order",
+            cat(&[
+                wire::parse("cp", "COPY d (id, t) FROM STDIN", &[]),
+                wire::describe(b'S', "cp"),
+                s(),
+            ]),
+            Ready(1),
+        ),
+        step(
+            "tokio-postgres copy: bind, execute, sync",
+            cat(&[wire::bind("", "cp", &[]), wire::execute("", 0), s()]),
+            Tag(b'G'),
+        ),
+        step(
+            "tokio-postgres copy: data, done, sync",
+            cat(&[wire::copy_data(b"41\tr\n42\ts\n"), wire::copy_done(), s()]),
+            Ready(1),
+        ),
+        step(
+            "tokio-postgres copy abandoned",
+            cat(&[wire::bind("", "cp", &[]), wire::execute("", 0), s()]),
+            Tag(b'G'),
+        ),
+        step(
+            "tokio-postgres copy: fail, sync",
+            cat(&[wire::copy_fail(""), s()]),
+            Ready(1),
+        ),
+        step(
+            "tokio-postgres copy with bad data",
+            cat(&[wire::bind("", "cp", &[]), wire::execute("", 0), s()]),
+            Tag(b'G'),
+        ),
+        step(
+            "tokio-postgres copy: bad data, done, sync",
+            cat(&[wire::copy_data(b"x\n"), wire::copy_done(), s()]),
+            Ready(1),
+        ),
+        step(
+            "extended copy of a missing table",
+            cat(&[pbe("COPY no_such_table FROM STDIN", &[]), s()]),
+            Ready(1),
+        ),
+        step(
+            "copy fail and sync after the failed start",
+            cat(&[wire::copy_fail(""), s()]),
+            Ready(1),
+        ),
+        step(
+            "copy in, extended protocol, in a transaction",
+            cat(&[
+                q("BEGIN"),
+                pbe("COPY d FROM STDIN", &[]),
+                s(),
+                wire::copy_data(b"43\tt\n"),
+                wire::copy_done(),
+                s(),
+                q("COMMIT"),
+            ]),
+            Ready(3),
+        ),
+        step(
+            "function call",
+            cat(&[
+                wire::function_call(abs_oid, &[Some(b"-42")]),
+                wire::function_call(abs_oid, &[None]),
+                wire::function_call(1, &[Some(b"1")]),
+                wire::function_call(abs_oid, &[Some(b"7")]),
+            ]),
+            Ready(4),
+        ),
+        step(
+            "listen and notify to self",
+            cat(&[
+                q("LISTEN ch"),
+                q("NOTIFY ch, 'payload'"),
+                q("SELECT pg_notify('ch', 'from a function')"),
+                pbe("SELECT pg_notify('ch', $1)", &[Some(b"extended")]),
+                s(),
+                q("BEGIN; NOTIFY ch, 'in a transaction'; NOTIFY ch, 'twice'; COMMIT"),
+                q("UNLISTEN *"),
+            ]),
+            Ready(6),
+        ),
+        step(
+            "notices from a DO block",
+            q(
+                "DO $$ BEGIN RAISE NOTICE 'hello %', 1; RAISE WARNING 'careful'; \
+               INSERT INTO d VALUES (60, 'from DO'); END $$",
+            ),
+            Ready(1),
+        ),
+        step(
+            "notice from a function, extended protocol",
+            cat(&[
+                q(
+                    "CREATE FUNCTION shout(t text) RETURNS int LANGUAGE plpgsql AS \
+                   $$ BEGIN RAISE NOTICE 'shout %', t; RETURN length(t); END $$",
+                ),
+                pbe("SELECT shout($1)", &[Some(b"abc")]),
+                s(),
+            ]),
+            Ready(2),
+        ),
+        step(
+            "parameter status",
+            cat(&[
+                q("SET application_name = 'diff'"),
+                q("SET TimeZone = 'UTC'"),
+                q("BEGIN; SET LOCAL TimeZone = 'Asia/Tokyo'; SELECT now() IS NOT NULL; COMMIT"),
+                q("BEGIN; SET DateStyle = 'German'; ROLLBACK"),
+                pbe("SELECT set_config('IntervalStyle', 'iso_8601', false)", &[]),
+                s(),
+                q("RESET ALL"),
+            ]),
+            Ready(6),
+        ),
+        step(
+            "SQL that is not valid UTF-8",
+            cat(&[
+                wire::query(b"SELECT '\xff'".as_slice()),
+                wire::parse("", b"SELECT '\xfe\xff'".as_slice(), &[]),
+                s(),
+                wire::query(b"INSERT INTO d VALUES (70, '\xc3\x28')".as_slice()),
+            ]),
+            Ready(3),
+        ),
+        step(
+            "close and describe of missing objects",
+            cat(&[
+                wire::close(b'S', "s1"),
+                wire::close(b'S', "never"),
+                wire::close(b'P', ""),
+                s(),
+                wire::describe(b'S', "s1"),
+                s(),
+                wire::bind("", "never", &[]),
+                s(),
+            ]),
+            Ready(3),
+        ),
+        step(
+            "savepoints, both protocols",
+            cat(&[
+                q("BEGIN"),
+                pbe("INSERT INTO d VALUES (50, 'p')", &[]),
+                s(),
+                q("SAVEPOINT a"),
+                q("INSERT INTO d VALUES (50, 'dup')"),
+                q("ROLLBACK TO a"),
+                pbe("INSERT INTO d VALUES (51, 'q')", &[]),
+                s(),
+                q("RELEASE a"),
+                q("COMMIT"),
+            ]),
+            Ready(8),
+        ),
+        step(
+            "extended protocol transaction",
+            cat(&[
+                pbe("BEGIN", &[]),
+                s(),
+                pbe("INSERT INTO d VALUES (52, 'r')", &[]),
+                s(),
+                pbe("COMMIT", &[]),
+                s(),
+                pbe("BEGIN", &[]),
+                pbe("INSERT INTO d VALUES (53, 's')", &[]),
+                pbe("ROLLBACK", &[]),
+                s(),
+            ]),
+            Ready(4),
+        ),
+        step(
+            "final state",
+            q("SELECT id, t FROM d ORDER BY id"),
+            Ready(1),
+        ),
+        step("terminate", wire::terminate(), Closed),
+    ]
+}
+
+fn sessions(abs_oid: u32) -> Vec<Session> {
+    use Until::*;
+    vec![
+        Session {
+            name: "main",
+            startup: wire::startup(SUPERUSER, APP_DB),
+            steps: main_steps(abs_oid),
+        },
+        Session {
+            name: "latin1",
+            startup: wire::startup_version(
+                wire::PROTOCOL_3_0,
+                &[
+                    ("user", SUPERUSER.as_bytes()),
+                    ("database", APP_DB.as_bytes()),
+                    ("client_encoding", b"LATIN1"),
+                ],
+            ),
+            steps: vec![
+                step(
+                    "latin1 text",
+                    cat(&[
+                        wire::query(b"SELECT '\xe9t\xe9'::text AS v, length('\xe9t\xe9')".as_slice()),
+                        wire::query(
+                            b"CREATE TABLE l (v text); INSERT INTO l VALUES ('caf\xe9')".as_slice(),
+                        ),
+                        wire::parse("", b"INSERT INTO l VALUES ('\xfc' || $1)".as_slice(), &[]),
+                        wire::bind("", "", &[Some(b"\xe0")]),
+                        wire::execute("", 0),
+                        s(),
+                        wire::query("SELECT v, octet_length(v) FROM l ORDER BY v"),
+                    ]),
+                    Ready(4),
+                ),
+                step("terminate", wire::terminate(), Closed),
+            ],
+        },
+        Session {
+            name: "startup parameters",
+            startup: wire::startup_version(
+                wire::PROTOCOL_3_0,
+                &[
+                    ("user", SUPERUSER.as_bytes()),
+                    ("database", APP_DB.as_bytes()),
+                    ("application_name", b"differential"),
+                    ("options", b"-c search_path=pg_catalog -c DateStyle=SQL,DMY"),
+                    ("TimeZone", b"Europe/Paris"),
+                ],
+            ),
+            steps: vec![
+                step(
+                    "settings from startup",
+                    q("SHOW search_path; SHOW DateStyle; SHOW TimeZone; SELECT current_setting('application_name')"),
+                    Ready(1),
+                ),
+                step("terminate", wire::terminate(), Closed),
+            ],
+        },
+        Session {
+            name: "protocol 3.1",
+            startup: wire::startup_version(
+                wire::PROTOCOL_3_0 | 1,
+                &[
+                    ("user", SUPERUSER.as_bytes()),
+                    ("database", APP_DB.as_bytes()),
+                    ("_pq_.no_such_option", b"1"),
+                ],
+            ),
+            steps: vec![
+                step("query", q("SELECT 'negotiated'"), Ready(1)),
+                step("terminate", wire::terminate(), Closed),
+            ],
+        },
+    ]
+}
+
+fn s() -> Vec<u8> {
+    wire::sync()
+}
+
+/// Replaces what legitimately differs: BackendKeyData, and the sender pid of notifications.
+fn normalise(mut m: Msg) -> Msg {
+    match m.tag {
+        b'K' => m.body.iter_mut().for_each(|b| *b = 0),
+        b'A' => m.body[..4].iter_mut().for_each(|b| *b = 0),
+        _ => {}
+    }
+    m
+}
+
+/// Runs `session` against `addr`: the login's messages, then each step's.
+fn run(addr: SocketAddr, session: &Session) -> Vec<(String, Vec<Msg>)> {
+    let mut conn = RawConn::connect(addr);
+    conn.send(&session.startup);
+    let mut out = vec![("login".to_string(), conn.until_ready())];
+    for st in &session.steps {
+        conn.send(&st.send);
+        let replies = match st.until {
+            Until::Ready(n) => {
+                let mut left = n;
+                conn.until(|m| {
+                    if m.tag == b'Z' {
+                        left -= 1;
+                    }
+                    left == 0
+                })
+            }
+            Until::Tag(tag) => conn.until(|m| m.tag == tag),
+            Until::Closed => conn.until_closed(),
+        };
+        out.push((st.name.clone(), replies));
+    }
+    out.into_iter()
+        .map(|(name, msgs)| (name, msgs.into_iter().map(normalise).collect()))
+        .collect()
+}
+
+fn start_cluster() -> PgCluster {
+    // Function statistics show that the fenced proxy's check ran; they change no reply.
+    let cluster = PgCluster::builder()
+        .setting("track_functions", "'all'")
+        .start();
+    cluster.psql(APP_DB, &fence_core::sql::install_sql(None));
+    cluster
+}
+
+#[test]
+fn same_bytes_direct_and_through_pgfence() {
+    let direct = start_cluster();
+    let fenced = start_cluster();
+    let plain = start_cluster();
+    let abs_oid: u32 = direct
+        .psql(APP_DB, "SELECT 'abs(int4)'::regprocedure::oid")
+        .trim()
+        .parse()
+        .expect("the oid of abs(int4)");
+    let fenced_proxy = Proxy::for_cluster(&fenced);
+    let mut config = Proxy::config_for(&plain);
+    config.fence.enabled = false;
+    let plain_proxy = Proxy::start(config);
+
+    let direct_addr = SocketAddr::from(([127, 0, 0, 1], direct.port()));
+    for session in sessions(abs_oid) {
+        let expected = run(direct_addr, &session);
+        for (mode, addr) in [
+            ("fence on", fenced_proxy.addr()),
+            ("fence off", plain_proxy.addr()),
+        ] {
+            let got = run(addr, &session);
+            assert_eq!(got.len(), expected.len());
+            for ((name, want), (_, have)) in expected.iter().zip(&got) {
+                if want != have {
+                    let show = |msgs: &[Msg]| {
+                        msgs.iter()
+                            .map(|m| format!("    {m:?}"))
+                            .collect::<Vec<_>>()
+                            .join("\n")
+                    };
+                    panic!(
+                        "session {:?}, step {name:?}, {mode}: replies differ\n\
+                         --- PostgreSQL ---\n{}\n--- through pgfence ---\n{}",
+                        session.name,
+                        show(want),
+                        show(have)
+                    );
+                }
+            }
+        }
+    }
+    // The fence was really on: pgfence's check ran upstream (and pgfence hid it).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let calls: u64 = fenced
+            .psql(
+                APP_DB,
+                "SELECT coalesce(sum(calls), 0) FROM pg_stat_user_functions \
+                 WHERE schemaname = 'pgfence' AND funcname = 'check'",
+            )
+            .trim()
+            .parse()
+            .expect("a count");
+        if calls >= 10 {
+            eprintln!("pgfence.check ran {calls} times through the fenced proxy");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "pgfence.check ran {calls} times: was the fence on?"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
