@@ -347,7 +347,10 @@ fn non_transactional() {
         ("CLUSTER (VERBOSE)", NonTransactional),
         ("CLUSTER t USING i", MayWrite),
         ("CALL my_proc(1)", NonTransactional),
-        ("DO $$ BEGIN INSERT INTO t VALUES (1); COMMIT; END $$", MayWrite),
+        (
+            "DO $$ BEGIN INSERT INTO t VALUES (1); COMMIT; END $$",
+            MayWrite,
+        ),
         ("ALTER DATABASE d SET TABLESPACE ts", NonTransactional),
         ("ALTER DATABASE d SET work_mem = '1MB'", MayWrite),
         (
