@@ -136,7 +136,7 @@ BEGIN
 END
 $stale$;
 
-CREATE OR REPLACE FUNCTION pgfence.check(
+CREATE OR REPLACE FUNCTION pgfence.check_write(
     p_resources      text[],
     p_tokens         text[],
     p_default_resource text,
@@ -210,6 +210,26 @@ BEGIN
     v_t_s := nullif(pg_catalog.current_setting('fencing.token', true), '');
     v_r0 := coalesce(v_r_s, p_default_resource);
     v_client := coalesce(p_client, pg_catalog.host(pg_catalog.inet_client_addr()));
+
+    -- Fast path, the common case of a fenced session: no comment directives, one resource
+    -- and one well-formed token, a fence row that already holds this token or a newer one.
+    -- Same lock as the general path below (FOR SHARE after an unlocked read that chose it),
+    -- without its bookkeeping. Anything else takes the general path.
+    IF coalesce(pg_catalog.cardinality(p_resources), 0) = 0
+       AND coalesce(pg_catalog.cardinality(p_tokens), 0) = 0
+       AND v_r0 IS NOT NULL AND v_t_s IS NOT NULL
+       AND pg_catalog.length(v_t_s) <= 18 AND v_t_s ~ '^[0-9]+$'
+       AND v_r0 ~ '^[A-Za-z0-9_.:-]{1,63}$' THEN
+        v_token := v_t_s::bigint;
+        SELECT f.token INTO v_seen FROM pgfence.fences AS f WHERE f.resource = v_r0;
+        IF FOUND AND v_token <= v_seen THEN
+            SELECT f.token INTO v_locked FROM pgfence.fences AS f WHERE f.resource = v_r0 FOR SHARE;
+            IF v_token < v_locked THEN
+                PERFORM pgfence.raise_stale(v_r0, v_token, v_locked);
+            END IF;
+            RETURN v_r0 || '=' || v_token::text;
+        END IF;
+    END IF;
 
     -- 1. Resolve each directive against the session, group by resource.
     v_n := greatest(coalesce(pg_catalog.array_length(p_resources, 1), 0),
@@ -368,6 +388,46 @@ BEGIN
 END
 $check$;
 
+-- The entry point the proxy calls at every commit. Deliberately neither SECURITY DEFINER
+-- nor SET search_path (both cost on every call): it only decides whether there is anything
+-- to check, with every name schema-qualified, and hands over to pgfence.check_write, which
+-- is SECURITY DEFINER and does all reading and locking. Skipping it through search_path
+-- tricks is impossible: it calls only pg_catalog and pgfence objects by qualified name.
+CREATE OR REPLACE FUNCTION pgfence.check(
+    p_resources      text[],
+    p_tokens         text[],
+    p_default_resource text,
+    p_allow_missing  text[],
+    p_client         text,
+    p_force          boolean)
+RETURNS text
+LANGUAGE plpgsql
+VOLATILE
+AS $entry$
+BEGIN
+    IF NOT coalesce(p_force, false)
+       AND pg_catalog.pg_current_xact_id_if_assigned() IS NULL THEN
+        -- Nothing written: nothing to fence.
+        RETURN NULL;
+    END IF;
+    IF p_default_resource IS NULL
+       AND coalesce(pg_catalog.cardinality(p_resources), 0) OPERATOR(pg_catalog.=) 0
+       AND coalesce(pg_catalog.cardinality(p_tokens), 0) OPERATOR(pg_catalog.=) 0
+       AND coalesce(pg_catalog.length(pg_catalog.current_setting('fencing.resource', true)), 0)
+           OPERATOR(pg_catalog.=) 0
+       AND coalesce(pg_catalog.length(pg_catalog.current_setting('fencing.token', true)), 0)
+           OPERATOR(pg_catalog.=) 0 THEN
+        -- An unfenced session: no resource and no token anywhere.
+        RETURN NULL;
+    END IF;
+    RETURN pgfence.check_write(p_resources, p_tokens, p_default_resource, p_allow_missing,
+                               p_client, p_force);
+END
+$entry$;
+
+COMMENT ON FUNCTION pgfence.check_write(text[], text[], text, text[], text, boolean) IS
+    'pgfence: the locking fence check behind pgfence.check (SECURITY DEFINER).';
+
 COMMENT ON FUNCTION pgfence.check(text[], text[], text, text[], text, boolean) IS
     'Checks the fencing tokens of the calling transaction right before it commits; returns the accepted resource=token pairs.';
 
@@ -398,6 +458,7 @@ REVOKE ALL ON SCHEMA pgfence FROM PUBLIC;
 REVOKE ALL ON TABLE pgfence.fences, pgfence.history, pgfence.schema_version FROM PUBLIC;
 REVOKE ALL ON SEQUENCE pgfence.history_id_seq FROM PUBLIC;
 REVOKE ALL ON FUNCTION pgfence.check(text[], text[], text, text[], text, boolean),
+    pgfence.check_write(text[], text[], text, text[], text, boolean),
                        pgfence.fast_reject(text, bigint, bigint),
                        pgfence.raise_stale(text, bigint, bigint),
                        pgfence.guard_fences(),
@@ -406,6 +467,7 @@ REVOKE ALL ON FUNCTION pgfence.check(text[], text[], text, text[], text, boolean
 
 GRANT USAGE ON SCHEMA pgfence TO __PGFENCE_GRANTEE__;
 GRANT EXECUTE ON FUNCTION pgfence.check(text[], text[], text, text[], text, boolean),
+    pgfence.check_write(text[], text[], text, text[], text, boolean),
                           pgfence.fast_reject(text, bigint, bigint)
     TO __PGFENCE_GRANTEE__;
 GRANT SELECT ON TABLE pgfence.fences, pgfence.history, pgfence.schema_version
