@@ -156,6 +156,9 @@ impl Session {
         let sql = msg::query_text(frame).ok_or(SessionError::MalformedClientMessage("Query"))?;
         Stats::add(&self.shared.stats.queries);
         let prepared = self.prepared(sql);
+        if prepared.analysis.may_write() {
+            self.last_write = Some(prepared.clone());
+        }
         self.last_sql = Some(prepared.clone());
         let analysis = &prepared.analysis;
         if analysis
@@ -428,6 +431,9 @@ impl Session {
                 StatementKind::MayWrite
             });
         if let Some(p) = &prepared {
+            if p.analysis.may_write() {
+                self.last_write = Some(p.clone());
+            }
             self.last_sql = Some(p.clone());
         }
         if kind == StatementKind::Discard {

@@ -325,9 +325,11 @@ impl Session {
                     .set(fence);
             }
         }
+        // The write the transaction was rejected for, rather than its COMMIT.
         let statement = self
-            .last_sql
+            .last_write
             .as_ref()
+            .or(self.last_sql.as_ref())
             .map(|p| truncate_chars(&String::from_utf8_lossy(&p.sql), 200))
             .unwrap_or_default();
         let resource = rejection.resource.clone().unwrap_or_default();

@@ -2,12 +2,16 @@
 //!
 //! One task per client, one upstream connection per client (session mode), one `select!`
 //! loop that reads both sides and writes both sides without ever blocking one direction on
-//! the other. Client messages are inspected in [`client`], server replies in [`server`];
+//! the other. [`opening`] reads the startup packet and connects upstream, [`login`] relays
+//! authentication (and serves the admin console). Client messages are inspected in
+//! [`client`], server replies in [`server`];
 //! [`replies`] keeps the queue of replies the server still owes and [`tx`] what pgfence knows
 //! of the server-side transaction.
 
 mod client;
 mod fence;
+mod login;
+mod opening;
 pub mod replies;
 mod server;
 pub mod tx;
@@ -15,7 +19,7 @@ pub mod tx;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Instant, SystemTime};
+use std::time::Instant;
 
 use bytes::{Buf, BytesMut};
 use fence_core::classify::Analysis;
@@ -25,13 +29,14 @@ use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info_span, warn, Instrument};
 
-use crate::cancel::{self, CancelTarget};
+use crate::cancel;
 use crate::error::SessionError;
 use crate::protocol::next_frame;
-use crate::protocol::startup::{next_startup, Startup, StartupPacket};
-use crate::state::{ClientInfo, Shared};
+use crate::protocol::startup::Startup;
+use crate::state::Shared;
 
 use self::fence::FenceSettings;
+use self::opening::{connect_upstream, read_startup, tell_client, Opening};
 use self::replies::Replies;
 use self::tx::TxState;
 
@@ -256,70 +261,6 @@ async fn run_session(
     }
 }
 
-/// Sends a FATAL error to a client whose session cannot start, then closes.
-async fn tell_client(client: &mut TcpStream, e: SessionError) -> Result<(), SessionError> {
-    let mut out = BytesMut::new();
-    e.to_client(&mut out);
-    let _ = client.write_all(&out).await;
-    let _ = client.shutdown().await;
-    Err(e)
-}
-
-async fn connect_upstream(config: &Config) -> Result<TcpStream, String> {
-    let target = (config.upstream.host.as_str(), config.upstream.port);
-    match tokio::time::timeout(config.limits.connect_timeout, TcpStream::connect(target)).await {
-        Ok(Ok(s)) => {
-            let _ = s.set_nodelay(true);
-            Ok(s)
-        }
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err(format!(
-            "timed out after {:?}",
-            config.limits.connect_timeout
-        )),
-    }
-}
-
-/// How a connection opened.
-enum Opening {
-    Startup(Startup, usize),
-    Cancel { pid: i32, key: i32 },
-    Closed,
-}
-
-/// Reads startup packets until a StartupMessage or a CancelRequest, declining TLS and GSS
-/// encryption (`N`) on the way.
-async fn read_startup(client: &mut TcpStream, buf: &mut BytesMut) -> Result<Opening, SessionError> {
-    loop {
-        match next_startup(buf)? {
-            Some((StartupPacket::SslRequest | StartupPacket::GssEncRequest, n)) => {
-                buf.advance(n);
-                client
-                    .write_all(b"N")
-                    .await
-                    .map_err(SessionError::ClientIo)?;
-                if !buf.is_empty() {
-                    // Bytes after an encryption request, before our answer: a client that
-                    // did not wait (or an attack on the plaintext downgrade). Answered `N`
-                    // and then refused, as PostgreSQL does.
-                    return Err(SessionError::EncryptionAfterStartup);
-                }
-                continue;
-            }
-            Some((StartupPacket::Cancel { pid, key }, _)) => {
-                return Ok(Opening::Cancel { pid, key })
-            }
-            Some((StartupPacket::Startup(s), n)) => return Ok(Opening::Startup(s, n)),
-            None => {}
-        }
-        buf.reserve(READ_CHUNK);
-        let n = client.read_buf(buf).await.map_err(SessionError::ClientIo)?;
-        if n == 0 {
-            return Ok(Opening::Closed);
-        }
-    }
-}
-
 /// The state of one client session.
 pub(crate) struct Session {
     shared: Arc<Shared>,
@@ -358,6 +299,8 @@ pub(crate) struct Session {
     lex: fence_core::lexer::LexOptions,
     /// The latest statement text the client sent, for rejection logs.
     last_sql: Option<Arc<Prepared>>,
+    /// The latest statement that may write: what a rejection at COMMIT is about.
+    last_write: Option<Arc<Prepared>>,
     /// An extended-protocol `COPY ... FROM STDIN` in progress.
     copy_in: CopyIn,
     /// A check right before a COMMIT inside the client's batch, until the batch is answered.
@@ -418,6 +361,7 @@ impl Session {
             discard_until_sync: None,
             check_failed: false,
             last_sql: None,
+            last_write: None,
             copy_in: CopyIn::None,
             commit_check: CommitCheck::None,
             held_complete: None,
@@ -614,118 +558,6 @@ impl Session {
         }
         buf.advance(at);
         Ok(())
-    }
-
-    /// During authentication the client may only answer the server's requests.
-    fn on_auth_client_frame(&mut self, tag: u8, frame: &[u8]) -> Result<Flow, SessionError> {
-        match tag {
-            b'p' => {
-                self.to_server.extend_from_slice(frame);
-                Ok(Flow::Continue)
-            }
-            b'X' => {
-                self.to_server.extend_from_slice(frame);
-                Ok(Flow::Terminate)
-            }
-            _ => Err(SessionError::UnexpectedClientMessage(tag as char)),
-        }
-    }
-
-    /// Relays authentication; swaps BackendKeyData for pgfence's own key.
-    fn on_auth_server_frame(&mut self, tag: u8, frame: &[u8]) -> Result<(), SessionError> {
-        match tag {
-            b'K' => {
-                let body = crate::protocol::message::body(frame);
-                if body.len() < 8 {
-                    return Err(SessionError::UnexpectedServerMessage('K'));
-                }
-                let pid = i32::from_be_bytes([body[0], body[1], body[2], body[3]]);
-                let key = i32::from_be_bytes([body[4], body[5], body[6], body[7]]);
-                self.backend_pid = pid;
-                let (cpid, ckey) = self.shared.cancel.register(CancelTarget {
-                    upstream: self.upstream,
-                    pid,
-                    key,
-                });
-                self.client_key = Some((cpid, ckey));
-                crate::protocol::message::backend_key_data(&mut self.to_client, cpid, ckey);
-                tracing::Span::current().record("backend_pid", pid);
-            }
-            b'Z' => {
-                self.phase = if self.admin {
-                    Phase::Admin
-                } else {
-                    Phase::Ready
-                };
-                self.tx
-                    .on_ready(crate::protocol::message::ready_status(frame), true);
-                self.to_client.extend_from_slice(frame);
-                self.shared.clients.insert(
-                    self.id,
-                    ClientInfo {
-                        addr: self.client_addr.clone(),
-                        user: self.user.clone(),
-                        database: self.database.clone(),
-                        application_name: self.application_name.clone(),
-                        backend_pid: self.backend_pid,
-                        connected_at: SystemTime::now(),
-                    },
-                );
-                debug!(user = %self.user, database = %self.database, backend_pid = self.backend_pid, "session ready");
-            }
-            b'S' => {
-                self.on_parameter_status(frame)?;
-                self.to_client.extend_from_slice(frame);
-            }
-            b'R' | b'E' | b'N' | b'v' => self.to_client.extend_from_slice(frame),
-            _ => return Err(SessionError::UnexpectedServerMessage(tag as char)),
-        }
-        Ok(())
-    }
-
-    /// A message to the admin console.
-    fn on_admin_frame(&mut self, tag: u8, frame: &[u8]) -> Result<Flow, SessionError> {
-        if self.discard_until_sync.is_some() && !matches!(tag, b'S' | b'X') {
-            // As PostgreSQL does after an error in an extended-protocol batch: one error,
-            // then the rest of the batch is skipped up to its Sync.
-            return Ok(Flow::Continue);
-        }
-        match tag {
-            b'Q' => {
-                let sql = crate::protocol::message::query_text(frame)
-                    .ok_or(SessionError::MalformedClientMessage("Query"))?;
-                match crate::admin::answer(&self.shared, sql, &mut self.to_client) {
-                    crate::admin::Answer::Upstream(sql) => {
-                        crate::protocol::message::query(&mut self.to_server, sql)
-                    }
-                    crate::admin::Answer::Done => {}
-                }
-                Ok(Flow::Continue)
-            }
-            b'X' => Ok(Flow::Terminate),
-            b'S' => {
-                self.discard_until_sync = None;
-                crate::protocol::message::ready_for_query(&mut self.to_client, b'I');
-                Ok(Flow::Continue)
-            }
-            b'H' => Ok(Flow::Continue),
-            b'P' | b'B' | b'D' | b'E' | b'C' => {
-                self.discard_until_sync = Some(b'I');
-                crate::protocol::message::error_response(
-                    &mut self.to_client,
-                    &crate::protocol::message::ErrorMessage {
-                        severity: "ERROR",
-                        code: "0A000",
-                        message:
-                            "the pgfence admin console supports the simple query protocol only",
-                        detail: None,
-                        hint: Some("Use psql, or simple_query in your driver."),
-                    },
-                );
-                Ok(Flow::Continue)
-            }
-            _ => Err(SessionError::UnexpectedClientMessage(tag as char)),
-        }
     }
 
     /// Cleans up shared state when the session ends.

@@ -1,0 +1,133 @@
+//! Authentication relayed between client and server, and the admin console's messages.
+
+use std::time::SystemTime;
+
+use tracing::debug;
+
+use crate::cancel::CancelTarget;
+use crate::error::SessionError;
+use crate::state::ClientInfo;
+
+use super::{Flow, Phase, Session};
+
+impl Session {
+    /// During authentication the client may only answer the server's requests.
+    pub(super) fn on_auth_client_frame(
+        &mut self,
+        tag: u8,
+        frame: &[u8],
+    ) -> Result<Flow, SessionError> {
+        match tag {
+            b'p' => {
+                self.to_server.extend_from_slice(frame);
+                Ok(Flow::Continue)
+            }
+            b'X' => {
+                self.to_server.extend_from_slice(frame);
+                Ok(Flow::Terminate)
+            }
+            _ => Err(SessionError::UnexpectedClientMessage(tag as char)),
+        }
+    }
+
+    /// Relays authentication; swaps BackendKeyData for pgfence's own key.
+    pub(super) fn on_auth_server_frame(
+        &mut self,
+        tag: u8,
+        frame: &[u8],
+    ) -> Result<(), SessionError> {
+        match tag {
+            b'K' => {
+                let body = crate::protocol::message::body(frame);
+                if body.len() < 8 {
+                    return Err(SessionError::UnexpectedServerMessage('K'));
+                }
+                let pid = i32::from_be_bytes([body[0], body[1], body[2], body[3]]);
+                let key = i32::from_be_bytes([body[4], body[5], body[6], body[7]]);
+                self.backend_pid = pid;
+                let (cpid, ckey) = self.shared.cancel.register(CancelTarget {
+                    upstream: self.upstream,
+                    pid,
+                    key,
+                });
+                self.client_key = Some((cpid, ckey));
+                crate::protocol::message::backend_key_data(&mut self.to_client, cpid, ckey);
+                tracing::Span::current().record("backend_pid", pid);
+            }
+            b'Z' => {
+                self.phase = if self.admin {
+                    Phase::Admin
+                } else {
+                    Phase::Ready
+                };
+                self.tx
+                    .on_ready(crate::protocol::message::ready_status(frame), true);
+                self.to_client.extend_from_slice(frame);
+                self.shared.clients.insert(
+                    self.id,
+                    ClientInfo {
+                        addr: self.client_addr.clone(),
+                        user: self.user.clone(),
+                        database: self.database.clone(),
+                        application_name: self.application_name.clone(),
+                        backend_pid: self.backend_pid,
+                        connected_at: SystemTime::now(),
+                    },
+                );
+                debug!(user = %self.user, database = %self.database, backend_pid = self.backend_pid, "session ready");
+            }
+            b'S' => {
+                self.on_parameter_status(frame)?;
+                self.to_client.extend_from_slice(frame);
+            }
+            b'R' | b'E' | b'N' | b'v' => self.to_client.extend_from_slice(frame),
+            _ => return Err(SessionError::UnexpectedServerMessage(tag as char)),
+        }
+        Ok(())
+    }
+
+    /// A message to the admin console.
+    pub(super) fn on_admin_frame(&mut self, tag: u8, frame: &[u8]) -> Result<Flow, SessionError> {
+        if self.discard_until_sync.is_some() && !matches!(tag, b'S' | b'X') {
+            // As PostgreSQL does after an error in an extended-protocol batch: one error,
+            // then the rest of the batch is skipped up to its Sync.
+            return Ok(Flow::Continue);
+        }
+        match tag {
+            b'Q' => {
+                let sql = crate::protocol::message::query_text(frame)
+                    .ok_or(SessionError::MalformedClientMessage("Query"))?;
+                match crate::admin::answer(&self.shared, sql, &mut self.to_client) {
+                    crate::admin::Answer::Upstream(sql) => {
+                        crate::protocol::message::query(&mut self.to_server, sql)
+                    }
+                    crate::admin::Answer::Done => {}
+                }
+                Ok(Flow::Continue)
+            }
+            b'X' => Ok(Flow::Terminate),
+            b'S' => {
+                self.discard_until_sync = None;
+                crate::protocol::message::ready_for_query(&mut self.to_client, b'I');
+                Ok(Flow::Continue)
+            }
+            b'H' => Ok(Flow::Continue),
+            b'P' | b'B' | b'D' | b'E' | b'C' => {
+                self.discard_until_sync = Some(b'I');
+                crate::protocol::message::error_response(
+                    &mut self.to_client,
+                    &crate::protocol::message::ErrorMessage {
+                        severity: "ERROR",
+                        code: "0A000",
+                        message:
+                            "the pgfence admin console supports the simple query protocol only",
+                        detail: None,
+                        hint: Some("Use psql, or simple_query in your driver."),
+                    },
+                );
+                Ok(Flow::Continue)
+            }
+            _ => Err(SessionError::UnexpectedClientMessage(tag as char)),
+        }
+    }
+}
