@@ -351,10 +351,18 @@ impl Session {
     fn on_parse(&mut self, frame: &[u8]) -> Result<(), SessionError> {
         let (name, sql) =
             msg::parse_message(frame).ok_or(SessionError::MalformedClientMessage("Parse"))?;
-        let prepared = self.prepared(sql);
         if name.is_empty() {
-            self.unnamed_statement = Some(prepared);
+            // Drivers that use the unnamed statement (pgbench -M extended, JDBC, psycopg)
+            // parse the same text again and again: keep its analysis.
+            let same = self
+                .unnamed_statement
+                .as_ref()
+                .is_some_and(|p| *p.sql == *sql);
+            if !same {
+                self.unnamed_statement = Some(self.prepared(sql));
+            }
         } else {
+            let prepared = self.prepared(sql);
             self.statements.insert(name.into(), prepared);
         }
         self.forward(frame, Request::Parse);

@@ -280,7 +280,13 @@ impl Session {
         let value = msg::cstr(rest).map(|(v, _)| v).unwrap_or_default();
         match name {
             b"standard_conforming_strings" => {
-                self.lex.standard_conforming_strings = value != b"off";
+                let scs = value != b"off";
+                if scs != self.lex.standard_conforming_strings {
+                    // Analyses made under the old setting are not reused (a portal pgfence
+                    // no longer knows is treated as one that may write).
+                    self.unnamed_statement = None;
+                }
+                self.lex.standard_conforming_strings = scs;
             }
             b"client_encoding" => {
                 // In these encodings a multi-byte character may end in a byte that reads as
