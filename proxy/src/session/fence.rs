@@ -18,6 +18,7 @@ use crate::protocol::startup::{options_settings, Startup};
 use crate::state::{RejectionRecord, Stats};
 
 use super::replies::{AfterCheck, Injected, Origin, Request};
+use super::tx::View;
 use super::Session;
 
 /// Client encodings pgfence cannot lex safely (see `on_parameter_status`).
@@ -176,13 +177,17 @@ impl Session {
         msg::execute(&mut self.to_server, CHECK_NAME);
         self.replies
             .push(Request::Execute, Origin::Injected(Injected::Check));
-        // Close the portal so a second check in the same transaction can bind it again.
-        msg::write_message(&mut self.to_server, b'C', |o| {
-            bytes::BufMut::put_u8(o, b'P');
-            msg::put_cstr(o, CHECK_NAME);
-        });
-        self.replies
-            .push(Request::Close, Origin::Injected(Injected::Check));
+        // The portal ends with the transaction. A transaction that goes on after the check
+        // (a check before a Sync while pgfence cannot tell whether a block is open) may be
+        // checked again: close the portal then, so it can be bound again.
+        if self.tx.view == View::Unknown {
+            msg::write_message(&mut self.to_server, b'C', |o| {
+                bytes::BufMut::put_u8(o, b'P');
+                msg::put_cstr(o, CHECK_NAME);
+            });
+            self.replies
+                .push(Request::Close, Origin::Injected(Injected::Check));
+        }
         self.tx.directives.clear();
         self.check_sent = Some(std::time::Instant::now());
         Stats::add(&self.shared.stats.checks);
