@@ -221,12 +221,32 @@ BEGIN
        AND pg_catalog.length(v_t_s) <= 18 AND v_t_s ~ '^[0-9]+$'
        AND v_r0 ~ '^[A-Za-z0-9_.:-]{1,63}$' THEN
         v_token := v_t_s::bigint;
+        IF pg_catalog.current_setting('pgfence.accepted', true) = v_r0 || '=' || v_t_s THEN
+            -- This backend accepted this very token for this resource before, so the fence
+            -- is at least this token (fences only grow): the share lock is the right one
+            -- without the unlocked read. The setting is only a hint: if it is wrong (a
+            -- client may set it), the fence is below the token, and since a share lock must
+            -- not be upgraded, the transaction fails with a retryable serialization error.
+            SELECT f.token INTO v_locked FROM pgfence.fences AS f WHERE f.resource = v_r0 FOR SHARE;
+            IF FOUND AND v_token <= v_locked THEN
+                IF v_token < v_locked THEN
+                    PERFORM pgfence.raise_stale(v_r0, v_token, v_locked);
+                END IF;
+                RETURN v_r0 || '=' || v_token::text;
+            END IF;
+            RAISE EXCEPTION USING
+                ERRCODE = '40001',
+                MESSAGE = pg_catalog.format(
+                    'pgfence: the fence of resource "%s" is below token %s; retry the transaction', v_r0, v_t_s);
+        END IF;
         SELECT f.token INTO v_seen FROM pgfence.fences AS f WHERE f.resource = v_r0;
         IF FOUND AND v_token <= v_seen THEN
             SELECT f.token INTO v_locked FROM pgfence.fences AS f WHERE f.resource = v_r0 FOR SHARE;
             IF v_token < v_locked THEN
                 PERFORM pgfence.raise_stale(v_r0, v_token, v_locked);
             END IF;
+            -- Remember the accepted token (undone with the transaction if it rolls back).
+            PERFORM pg_catalog.set_config('pgfence.accepted', v_r0 || '=' || v_t_s, false);
             RETURN v_r0 || '=' || v_token::text;
         END IF;
     END IF;
