@@ -287,3 +287,22 @@ mod tests {
         assert_eq!(report.decreases, 1, "{report}");
     }
 }
+
+/// The isolation level a checker workload runs its transactions at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Level {
+    ReadCommitted,
+    RepeatableRead,
+    Serializable,
+}
+
+impl Level {
+    /// The `BEGIN` that opens a transaction at this level.
+    pub fn begin(self) -> &'static str {
+        match self {
+            Level::ReadCommitted => "BEGIN ISOLATION LEVEL READ COMMITTED",
+            Level::RepeatableRead => "BEGIN ISOLATION LEVEL REPEATABLE READ",
+            Level::Serializable => "BEGIN ISOLATION LEVEL SERIALIZABLE",
+        }
+    }
+}

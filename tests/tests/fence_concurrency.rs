@@ -23,6 +23,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use harness::checker::Level;
 use harness::checker::{check_database, InvariantReport, COMMIT_US_SQL};
 use harness::fence::install;
 use harness::{quote_conn_value, PgCluster, Proxy};
@@ -33,23 +34,6 @@ use tokio_postgres::{Client, Statement};
 const RESOURCE: &str = "billing";
 /// Wall time of one run.
 const RUN_FOR: Duration = Duration::from_secs(3);
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Level {
-    ReadCommitted,
-    RepeatableRead,
-    Serializable,
-}
-
-impl Level {
-    fn begin(self) -> &'static str {
-        match self {
-            Level::ReadCommitted => "BEGIN ISOLATION LEVEL READ COMMITTED",
-            Level::RepeatableRead => "BEGIN ISOLATION LEVEL REPEATABLE READ",
-            Level::Serializable => "BEGIN ISOLATION LEVEL SERIALIZABLE",
-        }
-    }
-}
 
 /// How a client presents its token and talks to pgfence.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

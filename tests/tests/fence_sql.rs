@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fence_core::sql::{install_sql, CHECK_SQL, SCHEMA_VERSION};
+use harness::checker::Level;
 use harness::PgCluster;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -583,23 +584,6 @@ async fn check_function_outcomes_locks_and_privileges() {
 // ---------------------------------------------------------------------------------------
 // The concurrent checker
 // ---------------------------------------------------------------------------------------
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Level {
-    ReadCommitted,
-    RepeatableRead,
-    Serializable,
-}
-
-impl Level {
-    fn begin(self) -> &'static str {
-        match self {
-            Level::ReadCommitted => "BEGIN ISOLATION LEVEL READ COMMITTED",
-            Level::RepeatableRead => "BEGIN ISOLATION LEVEL REPEATABLE READ",
-            Level::Serializable => "BEGIN ISOLATION LEVEL SERIALIZABLE",
-        }
-    }
-}
 
 /// Whether the workload runs `pgfence.check` before each COMMIT.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
