@@ -40,10 +40,10 @@ struct Cli {
     /// Largest protocol message accepted, in bytes [default: 268435456].
     #[arg(long, env = "PGFENCE_MAX_MESSAGE_SIZE", global = true)]
     max_message_size: Option<u32>,
-    /// Worker threads running client sessions [default: 1, like PgBouncer; raise it on
-    /// machines where pgfence has cores of its own].
-    #[arg(long, env = "PGFENCE_THREADS", default_value_t = 1, global = true)]
-    threads: usize,
+    /// Worker threads running client sessions, each a single-threaded runtime [default: the
+    /// number of CPUs]. `--threads 1` runs every session on one thread, as PgBouncer does.
+    #[arg(long, env = "PGFENCE_THREADS", global = true)]
+    threads: Option<usize>,
     /// Run as a plain proxy without the fence (for comparisons).
     #[arg(long, env = "PGFENCE_NO_FENCE", global = true)]
     no_fence: bool,
@@ -147,7 +147,14 @@ fn main() -> ExitCode {
             password.as_deref(),
             grant_to.as_deref(),
         )),
-        None => runtime.block_on(serve(config, source, cli.threads)),
+        None => {
+            let threads = cli.threads.unwrap_or_else(|| {
+                std::thread::available_parallelism()
+                    .map(|n| n.get())
+                    .unwrap_or(1)
+            });
+            runtime.block_on(serve(config, source, threads))
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
