@@ -40,8 +40,8 @@ struct Cli {
     /// Largest protocol message accepted, in bytes [default: 268435456].
     #[arg(long, env = "PGFENCE_MAX_MESSAGE_SIZE", global = true)]
     max_message_size: Option<u32>,
-    /// Worker threads running client sessions, each a single-threaded runtime [default: the
-    /// number of CPUs]. `--threads 1` runs every session on one thread, as PgBouncer does.
+    /// Worker threads running client sessions, each a single-threaded runtime [default: 1,
+    /// as PgBouncer; more helps where pgfence has cores that the database does not need].
     #[arg(long, env = "PGFENCE_THREADS", global = true)]
     threads: Option<usize>,
     /// Run as a plain proxy without the fence (for comparisons).
@@ -148,11 +148,7 @@ fn main() -> ExitCode {
             grant_to.as_deref(),
         )),
         None => {
-            let threads = cli.threads.unwrap_or_else(|| {
-                std::thread::available_parallelism()
-                    .map(|n| n.get())
-                    .unwrap_or(1)
-            });
+            let threads = cli.threads.unwrap_or(1);
             runtime.block_on(serve(config, source, threads))
         }
     };
