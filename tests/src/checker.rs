@@ -306,3 +306,18 @@ impl Level {
         }
     }
 }
+
+/// The lease service of a checker workload: hands out a new leader token at random moments
+/// (every 1 to 30 ms) until `deadline`.
+pub async fn advance_leader_until(
+    leader: &std::sync::atomic::AtomicI64,
+    deadline: std::time::Instant,
+) {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::from_entropy();
+    while std::time::Instant::now() < deadline {
+        let pause = std::time::Duration::from_micros(rng.gen_range(1_000..30_000));
+        tokio::time::sleep(pause).await;
+        leader.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}

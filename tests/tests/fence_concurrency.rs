@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use harness::checker::Level;
+use harness::checker::{advance_leader_until, Level};
 use harness::checker::{check_database, InvariantReport, COMMIT_US_SQL};
 use harness::fence::install;
 use harness::{quote_conn_value, PgCluster, Proxy};
@@ -308,13 +308,7 @@ async fn run_workload(cluster: &PgCluster, level: Level, fenced: bool) -> Figure
     });
     let advancer = {
         let run = run.clone();
-        tokio::spawn(async move {
-            let mut rng = StdRng::from_entropy();
-            while Instant::now() < run.deadline {
-                tokio::time::sleep(Duration::from_micros(rng.gen_range(1_000..30_000))).await;
-                run.leader.fetch_add(1, Ordering::SeqCst);
-            }
-        })
+        tokio::spawn(async move { advance_leader_until(&run.leader, run.deadline).await })
     };
     let tasks: Vec<_> = CLIENTS
         .iter()

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fence_core::sql::{install_sql, CHECK_SQL, SCHEMA_VERSION};
-use harness::checker::Level;
+use harness::checker::{advance_leader_until, Level};
 use harness::PgCluster;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -761,13 +761,7 @@ async fn run_workload(cluster: &PgCluster, level: Level, fencing: Fencing) -> Ru
 
     let advancer = {
         let run = run.clone();
-        tokio::spawn(async move {
-            let mut rng = StdRng::from_entropy();
-            while Instant::now() < run.deadline {
-                tokio::time::sleep(Duration::from_micros(rng.gen_range(1_000..30_000))).await;
-                run.leader.fetch_add(1, Ordering::SeqCst);
-            }
-        })
+        tokio::spawn(async move { advance_leader_until(&run.leader, run.deadline).await })
     };
     let tasks: Vec<_> = clients
         .into_iter()
