@@ -17,7 +17,7 @@ use crate::directive::Directive;
 
 /// Version of the schema created by [`install_sql`], stored in `pgfence.schema_version`.
 /// An installed schema with a higher version makes the install fail instead of downgrading.
-pub const SCHEMA_VERSION: i32 = 3;
+pub const SCHEMA_VERSION: i32 = 4;
 
 /// The install script with placeholders (see the head of the file).
 const INSTALL_TEMPLATE: &str = include_str!("sql/install.sql");
@@ -42,12 +42,41 @@ pub struct CheckArgs<'a> {
     pub force: bool,
 }
 
-/// The idempotent install/upgrade script, granting read access to the tables and EXECUTE on
-/// the check functions to `grant_role` (`None`, or `public` in any case, means PUBLIC).
-/// Runs as one transaction (it contains its own `BEGIN` and `COMMIT`, and an advisory lock
-/// serialises concurrent installs); send it as one simple Query. If it fails, the
-/// transaction block is left aborted: send `ROLLBACK`.
+/// How a transaction that accepts a fence (its token equals the fence or is older) locks it
+/// until it ends; stored in `pgfence.schema_version.accept_lock` (docs/fence-locking.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AcceptLock {
+    /// A shared transaction-level advisory lock under READ COMMITTED, `FOR SHARE` under the
+    /// other levels. Advancers take the exclusive advisory lock and the row lock.
+    Advisory,
+    /// `FOR SHARE` at every level, as schema versions before 4 did. An upgrade installs this
+    /// first, and switches to [`AcceptLock::Advisory`] once no transaction that may still be
+    /// running the old functions is left (their advancers take no advisory lock).
+    Row,
+}
+
+impl AcceptLock {
+    /// The value stored in `pgfence.schema_version.accept_lock`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AcceptLock::Advisory => "advisory",
+            AcceptLock::Row => "row",
+        }
+    }
+}
+
+/// The idempotent install script for a database where no older pgfence schema may be in use
+/// (see [`install_sql_with`]).
 pub fn install_sql(grant_role: Option<&str>) -> String {
+    install_sql_with(grant_role, AcceptLock::Advisory)
+}
+
+/// The idempotent install/upgrade script, granting read access to the tables and EXECUTE on
+/// the check functions to `grant_role` (`None`, or `public` in any case, means PUBLIC), with
+/// the given accept lock. Runs as one transaction (it contains its own `BEGIN` and `COMMIT`,
+/// and an advisory lock serialises concurrent installs); send it as one simple Query. If it
+/// fails, the transaction block is left aborted: send `ROLLBACK`.
+pub fn install_sql_with(grant_role: Option<&str>, accept: AcceptLock) -> String {
     let grantee = match grant_role {
         Some(role) if !role.eq_ignore_ascii_case("public") => quote_ident(role),
         _ => "PUBLIC".to_owned(),
@@ -55,6 +84,15 @@ pub fn install_sql(grant_role: Option<&str>) -> String {
     INSTALL_TEMPLATE
         .replace("__PGFENCE_SCHEMA_VERSION__", &SCHEMA_VERSION.to_string())
         .replace("__PGFENCE_GRANTEE__", &grantee)
+        .replace("__PGFENCE_ACCEPT_LOCK__", accept.as_str())
+        .replace(
+            "__PGFENCE_ACCEPT_ADVISORY__",
+            if accept == AcceptLock::Advisory {
+                "true"
+            } else {
+                "false"
+            },
+        )
 }
 
 /// The six text-format Bind parameter values for [`CHECK_SQL`] (`None` is SQL NULL).
@@ -240,6 +278,13 @@ mod tests {
         let sql = install_sql(Some(r#"app "rw""#));
         assert!(sql.contains(r#"GRANT USAGE ON SCHEMA pgfence TO "app ""rw""";"#));
         assert!(!sql.contains("TO PUBLIC"));
+        let advisory = install_sql(None);
+        assert!(advisory.contains("v_adv := true"));
+        assert!(advisory.contains("'advisory')"));
+        let row = install_sql_with(None, AcceptLock::Row);
+        assert!(!row.contains("__PGFENCE_"));
+        assert!(row.contains("v_adv := false"));
+        assert!(row.contains("'row')"));
     }
 
     #[test]

@@ -8,6 +8,8 @@
 -- Placeholders substituted by fence_core::sql::install_sql():
 --   __PGFENCE_SCHEMA_VERSION__  the schema version of this script
 --   __PGFENCE_GRANTEE__         the role granted EXECUTE/SELECT (PUBLIC or a quoted name)
+--   __PGFENCE_ACCEPT_LOCK__     'advisory' or 'row' (see schema_version.accept_lock)
+--   __PGFENCE_ACCEPT_ADVISORY__ true for 'advisory', false for 'row'
 --
 -- The locking scheme of pgfence.check() is explained in docs/fence-locking.md and in the
 -- comment block inside the function.
@@ -42,10 +44,17 @@ BEGIN
 END
 $version$;
 
-INSERT INTO pgfence.schema_version AS v (singleton, version, installed_at)
-VALUES (true, __PGFENCE_SCHEMA_VERSION__, pg_catalog.now())
+-- How transactions that accept a fence lock it (docs/fence-locking.md, "Accept locks"):
+-- 'advisory' (a shared transaction-level advisory lock under READ COMMITTED), or 'row'
+-- (FOR SHARE on the fence row at every level: what schema versions before 4 did, kept by
+-- an upgrade until every transaction that may still run the old code has ended).
+ALTER TABLE pgfence.schema_version ADD COLUMN IF NOT EXISTS accept_lock text NOT NULL DEFAULT 'row';
+
+INSERT INTO pgfence.schema_version AS v (singleton, version, installed_at, accept_lock)
+VALUES (true, __PGFENCE_SCHEMA_VERSION__, pg_catalog.now(), '__PGFENCE_ACCEPT_LOCK__')
 ON CONFLICT (singleton) DO UPDATE
-    SET version = excluded.version, installed_at = excluded.installed_at;
+    SET version = excluded.version, installed_at = excluded.installed_at,
+        accept_lock = excluded.accept_lock;
 
 COMMENT ON SCHEMA pgfence IS
     'pgfence fencing state (schema version __PGFENCE_SCHEMA_VERSION__): fences, their history, the check function';
@@ -155,26 +164,31 @@ AS $check$
 --
 -- LOCKING (see docs/fence-locking.md). Invariant: for each resource, committed write
 -- transactions have non-decreasing tokens in commit order, and none commits with a token
--- below the fence at its commit. Every accepting path ends holding a row lock on the
--- resource's fence row until the transaction ends, after having compared the token with
--- the value read under that lock:
---   * same or older token (t <= value read):  SELECT ... FOR SHARE.  Share locks do not
---     conflict with each other, so the current leader's concurrent transactions never queue
---     behind each other; any number of them hold the row at once.
---   * newer token (t > value read):            SELECT ... FOR NO KEY UPDATE, then UPDATE.
---     NO KEY UPDATE conflicts with SHARE, so an advance waits until every in-flight
---     transaction that accepted the old token has ended (they commit before the advance:
---     their tokens precede it in commit order), and every transaction that locks after the
---     advance sees the new value (READ COMMITTED re-reads the latest row version under the
---     lock) and is rejected if older. Two advancers serialise on the row; the second
---     re-reads the first one's value and is rejected, accepts, or advances further.
+-- below the fence at its commit. Every accepting path ends holding a lock on the resource
+-- until the transaction ends, after having compared the token with the value read under
+-- that lock ("accept lock"):
+--   * same or older token (t <= value read), READ COMMITTED: a shared transaction-level
+--     advisory lock on the resource's key, then a plain read (a fresh snapshot, taken
+--     after the lock was granted). Shared locks do not conflict with each other, so the
+--     current leader's concurrent transactions never queue behind each other, and unlike
+--     FOR SHARE nothing is written (no WAL, no MultiXact).
+--   * same or older token, REPEATABLE READ / SERIALIZABLE (and every level while
+--     schema_version.accept_lock = 'row'): SELECT ... FOR SHARE, whose locking read cannot
+--     miss an advance committed after the snapshot (it raises 40001 instead).
+--   * newer token (t > value read): the exclusive advisory lock, then SELECT ... FOR NO KEY
+--     UPDATE, then UPDATE. The advisory lock waits for every advisory accept lock, the row
+--     lock for every FOR SHARE: an advance waits until every in-flight transaction that
+--     accepted the old token has ended (they commit before the advance: their tokens
+--     precede it in commit order), and every transaction that locks after the advance sees
+--     the new value and is rejected if older. Two advancers serialise on the locks; the
+--     second re-reads the first one's value and is rejected, accepts, or advances further.
 --   * no row yet: INSERT ... ON CONFLICT DO NOTHING. The uniqueness check makes a racing
 --     inserter wait for us; if we lose, we re-read the committed row and go through the
 --     locked paths above.
--- Each call takes exactly one lock mode per row, chosen from an unlocked read, and never
--- upgrades SHARE to NO KEY UPDATE (two share holders both upgrading would deadlock).
--- Rows are locked in sorted resource order, so multi-resource transactions cannot deadlock
--- with each other on fence rows.
+-- Each call takes exactly one lock mode per resource, chosen from an unlocked read, and
+-- never upgrades shared to exclusive (two share holders both upgrading would deadlock).
+-- Resources are locked in sorted order, so multi-resource transactions cannot deadlock
+-- with each other on fences. The advisory key is a 64-bit hash of the resource name.
 -- Under REPEATABLE READ / SERIALIZABLE the unlocked read sees the transaction snapshot;
 -- if a newer fence was committed after it, the locking read (or ON CONFLICT against an
 -- invisible row) raises 40001 instead of returning the stale version: never a stale commit.
@@ -199,12 +213,16 @@ DECLARE
     v_locked   bigint;
     v_accepted text[] := '{}';
     v_found    boolean;
+    v_adv      boolean;          -- accept under a shared advisory lock, not FOR SHARE
 BEGIN
     -- The common case, on every transaction through the proxy: nothing written, nothing to do.
     IF NOT coalesce(p_force, false)
        AND pg_catalog.pg_current_xact_id_if_assigned() IS NULL THEN
         RETURN NULL;
     END IF;
+    -- Advisory accept locks need each statement's fresh snapshot: READ COMMITTED only.
+    v_adv := __PGFENCE_ACCEPT_ADVISORY__
+             AND pg_catalog.current_setting('transaction_isolation') = 'read committed';
 
     v_r_s := nullif(pg_catalog.current_setting('fencing.resource', true), '');
     v_t_s := nullif(pg_catalog.current_setting('fencing.token', true), '');
@@ -227,7 +245,12 @@ BEGIN
             -- without the unlocked read. The setting is only a hint: if it is wrong (a
             -- client may set it), the fence is below the token, and since a share lock must
             -- not be upgraded, the transaction fails with a retryable serialization error.
-            SELECT f.token INTO v_locked FROM pgfence.fences AS f WHERE f.resource = v_r0 FOR SHARE;
+            IF v_adv THEN
+                PERFORM pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtextextended(v_r0, 31638886877651813));
+                SELECT f.token INTO v_locked FROM pgfence.fences AS f WHERE f.resource = v_r0;
+            ELSE
+                SELECT f.token INTO v_locked FROM pgfence.fences AS f WHERE f.resource = v_r0 FOR SHARE;
+            END IF;
             IF FOUND AND v_token <= v_locked THEN
                 IF v_token < v_locked THEN
                     PERFORM pgfence.raise_stale(v_r0, v_token, v_locked);
@@ -241,7 +264,12 @@ BEGIN
         END IF;
         SELECT f.token INTO v_seen FROM pgfence.fences AS f WHERE f.resource = v_r0;
         IF FOUND AND v_token <= v_seen THEN
-            SELECT f.token INTO v_locked FROM pgfence.fences AS f WHERE f.resource = v_r0 FOR SHARE;
+            IF v_adv THEN
+                PERFORM pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtextextended(v_r0, 31638886877651813));
+                SELECT f.token INTO v_locked FROM pgfence.fences AS f WHERE f.resource = v_r0;
+            ELSE
+                SELECT f.token INTO v_locked FROM pgfence.fences AS f WHERE f.resource = v_r0 FOR SHARE;
+            END IF;
             IF v_token < v_locked THEN
                 PERFORM pgfence.raise_stale(v_r0, v_token, v_locked);
             END IF;
@@ -377,6 +405,8 @@ BEGIN
         END IF;
 
         IF v_token > v_seen THEN
+            -- Waits for every accept lock: advisory (READ COMMITTED) and row (other levels).
+            PERFORM pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtextextended(v_r, 31638886877651813));
             SELECT f.token INTO v_locked FROM pgfence.fences AS f
             WHERE f.resource = v_r FOR NO KEY UPDATE;
             IF v_locked > v_token THEN
@@ -387,9 +417,14 @@ BEGIN
                 INSERT INTO pgfence.history (resource, previous_token, new_token, advanced_at, client_addr)
                 VALUES (v_r, v_locked, v_token, pg_catalog.clock_timestamp(), v_client);
             END IF;
+        ELSIF v_adv THEN
+            PERFORM pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtextextended(v_r, 31638886877651813));
+            SELECT f.token INTO v_locked FROM pgfence.fences AS f WHERE f.resource = v_r;
         ELSE
             SELECT f.token INTO v_locked FROM pgfence.fences AS f
             WHERE f.resource = v_r FOR SHARE;
+        END IF;
+        IF v_token <= v_seen THEN
             IF v_locked > v_token THEN
                 PERFORM pgfence.raise_stale(v_r, v_token, v_locked);
             ELSIF v_locked < v_token THEN
