@@ -5,6 +5,7 @@
 
 mod chart;
 mod cli;
+mod cpu;
 mod db;
 mod error;
 mod measure;

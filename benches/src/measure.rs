@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::cli::Args;
+use crate::cpu;
 use crate::db::Db;
 use crate::error::{Error, Result};
 use crate::pgbench::{Bench, Run, Target};
@@ -43,6 +44,9 @@ pub struct Medians {
     pub p99_ms: f64,
     /// (max - min) / median of the rounds' TPS: how much the rounds disagree.
     pub tps_spread: f64,
+    /// CPU µs per transaction: the whole machine's, and the proxy's.
+    pub cpu_us: Option<f64>,
+    pub proxy_cpu_us: Option<f64>,
 }
 
 impl SetupResult {
@@ -58,6 +62,20 @@ impl SetupResult {
                 mean_ms: median(&col(|r| r.mean_ms)).unwrap_or(f64::NAN),
                 p99_ms: median(&col(|r| r.p99_ms)).unwrap_or(f64::NAN),
                 tps_spread: if m > 0.0 { (hi - lo) / m } else { 0.0 },
+                cpu_us: median(
+                    &self
+                        .runs
+                        .iter()
+                        .filter_map(|r| r.cpu_us)
+                        .collect::<Vec<_>>(),
+                ),
+                proxy_cpu_us: median(
+                    &self
+                        .runs
+                        .iter()
+                        .filter_map(|r| r.proxy_cpu_us)
+                        .collect::<Vec<_>>(),
+                ),
             }
         });
     }
@@ -173,10 +191,18 @@ pub fn run_all(
         for round in 1..=args.rounds {
             for (i, (setup, t)) in setups.iter().enumerate() {
                 let name = format!("{}-{}-r{round}", cell.slug(), setup.key());
+                let proxy = stack.proxy_pid(*setup);
                 let outcome = stack
                     .ensure_running(*setup)
                     .and_then(|()| reset(db, stack, cell))
-                    .and_then(|()| bench.run(t, cell, args.duration, &name));
+                    .and_then(|()| {
+                        let before = cpu::sample(proxy);
+                        let mut run = bench.run(t, cell, args.duration, &name)?;
+                        let after = cpu::sample(proxy);
+                        (run.cpu_us, run.proxy_cpu_us) =
+                            cpu::per_transaction(before, after, run.transactions);
+                        Ok(run)
+                    });
                 done += 1;
                 let eta = eta(started, done, total_runs);
                 match outcome {

@@ -135,6 +135,10 @@ pub struct Run {
     pub mean_ms: f64,
     pub p50_ms: f64,
     pub p99_ms: f64,
+    /// CPU time of the whole machine per transaction, in µs (see [`crate::cpu`]).
+    pub cpu_us: Option<f64>,
+    /// CPU time of the proxy per transaction, in µs (`None` for PostgreSQL directly).
+    pub proxy_cpu_us: Option<f64>,
 }
 
 impl Bench {
@@ -184,6 +188,8 @@ impl Bench {
                 mean_ms: stats::mean_us(&latencies) / 1000.0,
                 p50_ms: stats::percentile_us(&mut latencies, 0.50) / 1000.0,
                 p99_ms: stats::percentile_us(&mut latencies, 0.99) / 1000.0,
+                cpu_us: None,
+                proxy_cpu_us: None,
             })
         });
         let _ = fs::remove_dir_all(&dir);

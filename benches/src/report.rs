@@ -168,7 +168,7 @@ fn cell_table(cells: &[CellResult], rounds: u32) -> Table {
     if with_token_ratio {
         headers.push("vs no token");
     }
-    headers.extend(["+µs vs direct", "spread"]);
+    headers.extend(["+µs vs direct", "CPU µs/txn", "proxy CPU µs/txn", "spread"]);
     let numeric = headers
         .iter()
         .map(|h| !matches!(*h, "cell" | "configuration"))
@@ -219,6 +219,9 @@ fn cell_table(cells: &[CellResult], rounds: u32) -> Table {
                 }
                 _ => String::new(),
             });
+            let us = |v: Option<f64>| v.map(|v| format!("{v:.0}")).unwrap_or_default();
+            row.push(us(m.and_then(|m| m.cpu_us)));
+            row.push(us(m.and_then(|m| m.proxy_cpu_us)));
             let spread = m
                 .map(|m| format!("{:.0}%", m.tps_spread * 100.0))
                 .unwrap_or_default();
@@ -347,7 +350,9 @@ fn targets(r: &Report) -> Vec<String> {
 pub fn text(r: &Report) -> String {
     let mut out = format!(
         "\n{}\n\nTPS: median of {} round(s) of {} s; mean and p99 latency: medians of the \
-         rounds' values. spread = (max - min) / median TPS.\n\n",
+         rounds' values. CPU µs/txn: busy time of the whole machine (client, proxy, server) per \
+         transaction; proxy CPU µs/txn: the proxy's own (medians of the rounds). \
+         spread = (max - min) / median TPS.\n\n",
         r.command, r.rounds, r.duration_secs
     );
     out.push_str(&cell_table(&r.cells, r.rounds).text());
@@ -398,8 +403,11 @@ pub fn markdown(r: &Report) -> String {
         "TPS is the median over rounds; mean and p99 latency (from pgbench's \
          per-transaction log) are the medians of the rounds' values. Ratios divide TPS. \
          *vs no token*: the token-carrying configuration over pgfence without a token. \
-         *+µs vs direct*: mean latency added to PostgreSQL's. *spread*: (max - min) / median \
-         TPS over rounds. How to read it: docs/benchmarks.md.\n\n",
+         *+µs vs direct*: mean latency added to PostgreSQL's. *CPU µs/txn*: busy time of the \
+         whole machine (client, proxy, server) per transaction, *proxy CPU µs/txn*: the \
+         proxy's own (medians of the rounds; on a CPU-bound machine these decide throughput, \
+         and they move far less than TPS when the machine is noisy). *spread*: (max - min) / \
+         median TPS over rounds. How to read it: docs/benchmarks.md.\n\n",
     );
     out.push_str(&cell_table(&r.cells, r.rounds).markdown());
     if let Some(stale) = &r.stale {

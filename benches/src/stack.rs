@@ -383,6 +383,17 @@ impl Stack {
         Daemon::start(cmd, "pgbouncer", port, READY_WITHIN)
     }
 
+    /// The pid of the proxy `setup` goes through (`None` for PostgreSQL directly).
+    pub fn proxy_pid(&self, setup: Setup) -> Option<u32> {
+        let daemon = match setup {
+            Setup::Direct => None,
+            Setup::Pgbouncer => self.pgbouncer.as_ref(),
+            Setup::NoFence => self.unfenced.as_ref(),
+            Setup::NoToken | Setup::SessionToken | Setup::Sqlcommenter => self.fenced.as_ref(),
+        };
+        daemon.map(Daemon::pid)
+    }
+
     /// `Err` when the proxy `setup` goes through has died.
     pub fn ensure_running(&mut self, setup: Setup) -> Result<()> {
         let daemon = match setup {
