@@ -194,7 +194,6 @@ AS $check$
 -- invisible row) raises 40001 instead of returning the stale version: never a stale commit.
 -- No EXCEPTION blocks here: they would start a subtransaction on every call.
 DECLARE
-    v_r_s      text;             -- fencing.resource of the session
     v_t_s      text;             -- fencing.token of the session
     v_r0       text;             -- the session's effective resource
     v_client   text;
@@ -220,14 +219,31 @@ BEGIN
        AND pg_catalog.pg_current_xact_id_if_assigned() IS NULL THEN
         RETURN NULL;
     END IF;
+    -- The hot path: READ COMMITTED, no comment directives, and this backend accepted this
+    -- very resource=token before (the `pgfence.accepted` hint, set below; a client can
+    -- forge it, so it only chooses the lock: acceptance needs the fence read under the lock
+    -- to equal the token, compared as text, so a forged or unusual value just falls through
+    -- to the checks below, which hold the same shared lock). Written as few PL/pgSQL
+    -- expressions as possible: each one is compiled again in every transaction.
+    v_r0 := coalesce(nullif(pg_catalog.current_setting('fencing.resource', true), ''),
+                     p_default_resource);
+    v_t_s := nullif(pg_catalog.current_setting('fencing.token', true), '');
+    IF __PGFENCE_ACCEPT_ADVISORY__
+       AND coalesce(pg_catalog.cardinality(p_resources), 0) = 0
+       AND coalesce(pg_catalog.cardinality(p_tokens), 0) = 0
+       AND pg_catalog.current_setting('pgfence.accepted', true) = v_r0 || '=' || v_t_s
+       AND pg_catalog.current_setting('transaction_isolation') = 'read committed' THEN
+        PERFORM pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtextextended(v_r0, 31638886877651813));
+        SELECT f.token INTO v_locked FROM pgfence.fences AS f WHERE f.resource = v_r0;
+        IF v_locked::text = v_t_s THEN
+            RETURN v_r0 || '=' || v_t_s;
+        END IF;
+    END IF;
+
     -- Advisory accept locks need each statement's fresh snapshot: READ COMMITTED only.
     v_adv := __PGFENCE_ACCEPT_ADVISORY__
              AND pg_catalog.current_setting('transaction_isolation') = 'read committed';
 
-    v_r_s := nullif(pg_catalog.current_setting('fencing.resource', true), '');
-    v_t_s := nullif(pg_catalog.current_setting('fencing.token', true), '');
-    v_r0 := coalesce(v_r_s, p_default_resource);
-    v_client := coalesce(p_client, pg_catalog.host(pg_catalog.inet_client_addr()));
 
     -- Fast path, the common case of a fenced session: no comment directives, one resource
     -- and one well-formed token, a fence row that already holds this token or a newer one.
@@ -278,6 +294,8 @@ BEGIN
             RETURN v_r0 || '=' || v_token::text;
         END IF;
     END IF;
+
+    v_client := coalesce(p_client, pg_catalog.host(pg_catalog.inet_client_addr()));
 
     -- 1. Resolve each directive against the session, group by resource.
     v_n := greatest(coalesce(pg_catalog.array_length(p_resources, 1), 0),
