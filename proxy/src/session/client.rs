@@ -224,13 +224,21 @@ impl Session {
             Some(StatementKind::Commit | StatementKind::PrepareTransaction)
         ) && self.tx.commit_needs_check()
         {
-            // A lone COMMIT: check in its own Sync first, so that a rejection looks like a
-            // deferred constraint failing at COMMIT (error, then ReadyForQuery idle).
-            self.inject_check_with_sync(false, AfterCheck::Commit);
+            // A lone COMMIT: the check right before it, with no Sync of its own, so that
+            // the server answers both in one write. If the check fails, the server skips the
+            // COMMIT up to a Sync: pgfence then sends one and ends the failed block with its
+            // own ROLLBACK (see `CommitCheck`), so a rejection looks like a deferred
+            // constraint failing at COMMIT (error, then ReadyForQuery idle). Until then no
+            // other client message may reach the server.
+            self.inject_check(false);
             self.tx.end();
             self.tx.view = View::Unknown;
             self.forward(frame, Request::Query);
-            return Ok(Flow::Continue);
+            self.commit_check = CommitCheck::Pending {
+                found_failed: false,
+            };
+            self.hold = Hold::Waiting;
+            return Ok(Flow::Pause);
         }
         let plan = self.tx.plan_simple(analysis);
         if plan.is_empty() {

@@ -60,8 +60,8 @@ pub enum Injected {
     Check,
     /// Binding the fast-path rejection (its Execute stands in for the client's).
     FastReject,
-    /// The Sync after a check pgfence runs in its own transaction before a client's COMMIT
-    /// (simple protocol) or before a statement that cannot run in a transaction block.
+    /// The Sync after a check pgfence runs in its own transaction before a statement that
+    /// cannot run in a transaction block (or a FunctionCall outside one).
     CheckSync(AfterCheck),
     /// Ends a transaction block whose COMMIT the server skipped because the check before it
     /// failed (see `CommitCheck`).
@@ -71,8 +71,6 @@ pub enum Injected {
 /// What to do once a check that ran in its own Sync is answered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AfterCheck {
-    /// The client's COMMIT follows: nothing to do.
-    Commit,
     /// The client's message is held until the check is answered.
     Release,
 }

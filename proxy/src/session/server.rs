@@ -160,6 +160,9 @@ impl Session {
         if !request.is_sync_point() {
             self.replies.pop();
             self.replies.skip_to_sync();
+            if from_check && matches!(self.commit_check, CommitCheck::Pending { .. }) {
+                self.sync_after_skipped_commit();
+            }
         }
         if matches!(
             origin,
@@ -200,6 +203,19 @@ impl Session {
             return;
         }
         self.to_client.extend_from_slice(frame);
+    }
+
+    /// The check right before a client's lone COMMIT Query failed: after an error in the
+    /// extended protocol the server skips messages up to a Sync, so the COMMIT will never be
+    /// answered. Send that Sync; its ReadyForQuery (failed block) stands for the COMMIT's,
+    /// and `on_ready` ends the block with pgfence's ROLLBACK as for any skipped COMMIT.
+    fn sync_after_skipped_commit(&mut self) {
+        if let Some(front) = self.replies.front_mut() {
+            if front.request == Request::Query && front.origin == Origin::Client {
+                front.request = Request::Sync;
+                msg::sync(&mut self.to_server);
+            }
+        }
     }
 
     /// A COPY FROM STDIN started. Sent with the extended protocol, the Syncs the client
@@ -277,7 +293,6 @@ impl Session {
             }
         }
         match answered {
-            Some(Origin::Injected(Injected::CheckSync(AfterCheck::Commit))) => {}
             Some(Origin::Injected(Injected::CheckSync(AfterCheck::Release))) => {
                 self.hold = if self.check_failed {
                     Hold::Failed(status)
