@@ -865,6 +865,28 @@ SELECT count(*) FROM ft;
         leader
             .assert_idle(&format!("round {round}: COMMIT after an in-flight failure"))
             .await;
+        // The same with a simple-protocol COMMIT: pgfence sends its check right before it
+        // without a Sync, the server skips both, pgfence ends the block itself.
+        leader.simple("BEGIN").await.unwrap();
+        let (failed, committed) = tokio::join!(
+            leader.client.execute(&dup, &[]),
+            leader.client.simple_query("COMMIT")
+        );
+        assert_eq!(sqlstate(&failed).as_deref(), Some("23505"), "round {round}");
+        let tags: Vec<u64> = committed
+            .unwrap_or_else(|e| panic!("round {round}: simple COMMIT: {e:?}"))
+            .iter()
+            .filter_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::CommandComplete(n) => Some(*n),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(tags, vec![0], "round {round}: one command tag (ROLLBACK)");
+        leader
+            .assert_idle(&format!(
+                "round {round}: simple COMMIT after an in-flight failure"
+            ))
+            .await;
     }
     assert_eq!(fx.count("ft").await, 1);
 }
