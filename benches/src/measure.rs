@@ -52,6 +52,10 @@ pub struct Medians {
 impl SetupResult {
     fn summarise(&mut self) {
         let col = |f: fn(&Run) -> f64| self.runs.iter().map(f).collect::<Vec<f64>>();
+        // The median of a figure some rounds may lack (`None`: none has it).
+        let measured = |f: fn(&Run) -> Option<f64>| {
+            median(&self.runs.iter().filter_map(f).collect::<Vec<f64>>())
+        };
         let tps = col(|r| r.tps);
         self.median = median(&tps).map(|m| {
             let (lo, hi) = tps
@@ -62,20 +66,8 @@ impl SetupResult {
                 mean_ms: median(&col(|r| r.mean_ms)).unwrap_or(f64::NAN),
                 p99_ms: median(&col(|r| r.p99_ms)).unwrap_or(f64::NAN),
                 tps_spread: if m > 0.0 { (hi - lo) / m } else { 0.0 },
-                cpu_us: median(
-                    &self
-                        .runs
-                        .iter()
-                        .filter_map(|r| r.cpu_us)
-                        .collect::<Vec<_>>(),
-                ),
-                proxy_cpu_us: median(
-                    &self
-                        .runs
-                        .iter()
-                        .filter_map(|r| r.proxy_cpu_us)
-                        .collect::<Vec<_>>(),
-                ),
+                cpu_us: measured(|r| r.cpu_us),
+                proxy_cpu_us: measured(|r| r.proxy_cpu_us),
             }
         });
     }
