@@ -247,50 +247,47 @@ BEGIN
 
     -- Fast path, the common case of a fenced session: no comment directives, one resource
     -- and one well-formed token, a fence row that already holds this token or a newer one.
-    -- Same lock as the general path below (FOR SHARE after an unlocked read that chose it),
-    -- without its bookkeeping. Anything else takes the general path.
+    -- Same accept lock as the general path below (chosen from an unlocked read), without
+    -- its bookkeeping. Anything else takes the general path.
     IF coalesce(pg_catalog.cardinality(p_resources), 0) = 0
        AND coalesce(pg_catalog.cardinality(p_tokens), 0) = 0
        AND v_r0 IS NOT NULL AND v_t_s IS NOT NULL
        AND pg_catalog.length(v_t_s) <= 18 AND v_t_s ~ '^[0-9]+$'
        AND v_r0 ~ '^[A-Za-z0-9_.:-]{1,63}$' THEN
         v_token := v_t_s::bigint;
-        IF pg_catalog.current_setting('pgfence.accepted', true) = v_r0 || '=' || v_t_s THEN
-            -- This backend accepted this very token for this resource before, so the fence
-            -- is at least this token (fences only grow): the share lock is the right one
-            -- without the unlocked read. The setting is only a hint: if it is wrong (a
-            -- client may set it), the fence is below the token, and since a share lock must
-            -- not be upgraded, the transaction fails with a retryable serialization error.
-            IF v_adv THEN
-                PERFORM pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtextextended(v_r0, 31638886877651813));
-                SELECT f.token INTO v_locked FROM pgfence.fences AS f WHERE f.resource = v_r0;
-            ELSE
-                SELECT f.token INTO v_locked FROM pgfence.fences AS f WHERE f.resource = v_r0 FOR SHARE;
-            END IF;
-            IF FOUND AND v_token <= v_locked THEN
-                IF v_token < v_locked THEN
-                    PERFORM pgfence.raise_stale(v_r0, v_token, v_locked);
-                END IF;
-                RETURN v_r0 || '=' || v_token::text;
-            END IF;
-            RAISE EXCEPTION USING
-                ERRCODE = '40001',
-                MESSAGE = pg_catalog.format(
-                    'pgfence: the fence of resource "%s" is below token %s; retry the transaction', v_r0, v_t_s);
+        -- v_found: the accepted-token hint matched. This backend accepted this very token
+        -- for this resource before, so the fence is at least this token (fences only
+        -- grow): the share lock is the right one without the unlocked read. The setting is
+        -- only a hint: if it is wrong (a client may set it), the fence is below the token,
+        -- and since a share lock must not be upgraded, the transaction fails with a
+        -- retryable serialization error.
+        v_found := coalesce(pg_catalog.current_setting('pgfence.accepted', true) = v_r0 || '=' || v_t_s,
+                            false);
+        IF v_found THEN
+            v_seen := v_token;
+        ELSE
+            SELECT f.token INTO v_seen FROM pgfence.fences AS f WHERE f.resource = v_r0;
         END IF;
-        SELECT f.token INTO v_seen FROM pgfence.fences AS f WHERE f.resource = v_r0;
-        IF FOUND AND v_token <= v_seen THEN
+        IF v_seen IS NOT NULL AND v_token <= v_seen THEN
             IF v_adv THEN
                 PERFORM pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtextextended(v_r0, 31638886877651813));
                 SELECT f.token INTO v_locked FROM pgfence.fences AS f WHERE f.resource = v_r0;
             ELSE
                 SELECT f.token INTO v_locked FROM pgfence.fences AS f WHERE f.resource = v_r0 FOR SHARE;
+            END IF;
+            IF v_locked IS NULL OR v_locked < v_token THEN
+                RAISE EXCEPTION USING
+                    ERRCODE = '40001',
+                    MESSAGE = pg_catalog.format(
+                        'pgfence: the fence of resource "%s" is below token %s; retry the transaction', v_r0, v_t_s);
             END IF;
             IF v_token < v_locked THEN
                 PERFORM pgfence.raise_stale(v_r0, v_token, v_locked);
             END IF;
-            -- Remember the accepted token (undone with the transaction if it rolls back).
-            PERFORM pg_catalog.set_config('pgfence.accepted', v_r0 || '=' || v_t_s, false);
+            IF NOT v_found THEN
+                -- Remember the accepted token (undone with the transaction if it rolls back).
+                PERFORM pg_catalog.set_config('pgfence.accepted', v_r0 || '=' || v_t_s, false);
+            END IF;
             RETURN v_r0 || '=' || v_token::text;
         END IF;
     END IF;
