@@ -112,6 +112,10 @@ class Story:
                         return e, "commit"
         except psycopg.Error as e:
             return e, "write"
+        except IndexError as e:
+            if self.driver == "pipeline" and str(e) == PSYCOPG_PIPELINE_RACE:
+                return e, "write"
+            raise
         return None, None
 
 
@@ -135,7 +139,10 @@ def check_story(dsn, story):
         # fails there, which libpq's pipeline mode cannot take. pgfence must do no worse.
         want = deferred_failure_in_pipeline()
         got = (type(err).__name__, str(err))
-        assert got == want, f"{story}: {got}, PostgreSQL with a deferred constraint: {want}"
+        # psycopg itself sometimes trips over this reply (an IndexError out of its pipeline
+        # queue, seen against PostgreSQL directly too): that is no worse either.
+        race = ("IndexError", PSYCOPG_PIPELINE_RACE)
+        assert got in (want, race), f"{story}: {got}, PostgreSQL with a deferred constraint: {want}"
         a.close()
         check_outcome(story)
         return
@@ -179,6 +186,9 @@ def check_outcome(story):
 
 
 _deferred = {}
+# What psycopg raises, now and then, when an autocommit pipeline's implicit commit fails
+# after the statement's CommandComplete (it depends on how the replies arrive in reads).
+PSYCOPG_PIPELINE_RACE = "pop from an empty deque"
 
 
 def deferred_failure_in_pipeline():
@@ -197,17 +207,23 @@ def deferred_failure_in_pipeline():
                 DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION story_deferred_fail();
             """
         )
-    c = psycopg.connect(direct_dsn(), autocommit=True)
-    try:
-        with c.pipeline():
-            c.execute("INSERT INTO story_deferred VALUES (%s)", (1,))
-    except psycopg.Error as e:
-        _deferred["result"] = (type(e).__name__, str(e))
-    else:
-        raise AssertionError("the deferred constraint did not fail")
-    finally:
-        c.close()
-    return _deferred["result"]
+    for _ in range(5):
+        c = psycopg.connect(direct_dsn(), autocommit=True)
+        try:
+            with c.pipeline():
+                c.execute("INSERT INTO story_deferred VALUES (%s)", (1,))
+        except psycopg.Error as e:
+            _deferred["result"] = (type(e).__name__, str(e))
+            return _deferred["result"]
+        except IndexError as e:
+            # psycopg's own race (see PSYCOPG_PIPELINE_RACE), directly against PostgreSQL.
+            if str(e) != PSYCOPG_PIPELINE_RACE:
+                raise
+        else:
+            raise AssertionError("the deferred constraint did not fail")
+        finally:
+            c.close()
+    raise AssertionError(f"psycopg raised IndexError({PSYCOPG_PIPELINE_RACE!r}) 5 times in a row")
 
 
 def run_stories(dsn, driver):
