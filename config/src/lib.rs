@@ -23,6 +23,8 @@ pub struct Config {
     pub upstream: Upstream,
     /// Connection limits and timeouts.
     pub limits: Limits,
+    /// Reuse of server connections between client sessions.
+    pub pool: Pool,
     /// The fence: which resources exist and what happens without a token.
     pub fence: Fence,
     /// The admin console (virtual database `pgfence`).
@@ -37,6 +39,7 @@ impl Default for Config {
             listen: SocketAddr::from(([127, 0, 0, 1], 6432)),
             upstream: Upstream::default(),
             limits: Limits::default(),
+            pool: Pool::default(),
             fence: Fence::default(),
             admin: Admin::default(),
             telemetry: Telemetry::default(),
@@ -102,6 +105,41 @@ impl Default for Limits {
             startup_timeout: Duration::from_secs(15),
             connect_timeout: Duration::from_secs(10),
             shutdown_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Server connections kept for the next client session, as in PgBouncer's session mode.
+///
+/// When a client disconnects while its server session is idle, pgfence resets the server
+/// session (`DISCARD ALL`) and keeps the connection for the next client that sends the
+/// same startup packet (same user, database and options), which then starts without a
+/// new backend process. Only connections whose login the server accepted without asking
+/// for a password are kept: a client reusing one must not skip a check it would have met.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Pool {
+    /// Keep server connections for reuse. Default `true`.
+    pub reuse_servers: bool,
+    /// Most idle server connections kept, all users and databases together. Default 100.
+    pub max_idle_servers: usize,
+    /// An idle server connection unused this long is closed. Default `600s`
+    /// (PgBouncer's `server_idle_timeout`).
+    #[serde(with = "humantime_serde")]
+    pub server_idle_timeout: Duration,
+    /// A server connection this old is closed instead of being kept. Default `3600s`
+    /// (PgBouncer's `server_lifetime`).
+    #[serde(with = "humantime_serde")]
+    pub server_lifetime: Duration,
+}
+
+impl Default for Pool {
+    fn default() -> Self {
+        Pool {
+            reuse_servers: true,
+            max_idle_servers: 100,
+            server_idle_timeout: Duration::from_secs(600),
+            server_lifetime: Duration::from_secs(3600),
         }
     }
 }

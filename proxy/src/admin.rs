@@ -193,6 +193,8 @@ pub fn answer(shared: &Shared, sql: &[u8], out: &mut BytesMut) -> Answer {
                 ("rejections", s.rejections.load(Ordering::Relaxed)),
                 ("fast_rejections", s.fast_rejections.load(Ordering::Relaxed)),
                 ("upstream_errors", s.upstream_errors.load(Ordering::Relaxed)),
+                ("servers_idle", shared.pool.idle_count() as u64),
+                ("servers_reused", shared.pool.reused.load(Ordering::Relaxed)),
             ]
             .iter()
             .map(|(k, v)| vec![k.to_string(), v.to_string()])

@@ -9,6 +9,7 @@ pub mod cancel;
 pub mod error;
 pub mod install;
 pub mod metrics;
+pub mod pool;
 pub mod protocol;
 mod server;
 mod session;

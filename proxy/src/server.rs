@@ -87,6 +87,7 @@ pub async fn run_with(
     let tracker = TaskTracker::new();
     let drain = CancellationToken::new();
     let kill = CancellationToken::new();
+    let sweeper = tokio::spawn(sweep_idle_servers(shared.clone()));
     tokio::pin!(shutdown);
     let mode = loop {
         tokio::select! {
@@ -148,5 +149,25 @@ pub async fn run_with(
             let _ = tokio::time::timeout(Duration::from_secs(2), tracker.wait()).await;
         }
     }
+    sweeper.abort();
+    shared.pool.clear();
     Ok(())
+}
+
+/// Closes idle server connections past their timeouts, and all of them while the
+/// configuration says not to keep any.
+async fn sweep_idle_servers(shared: Arc<Shared>) {
+    let mut tick = tokio::time::interval(crate::pool::SWEEP_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let config = shared.config();
+        if config.pool.reuse_servers {
+            shared
+                .pool
+                .sweep(&config.pool, &config.upstream.to_string());
+        } else {
+            shared.pool.clear();
+        }
+    }
 }

@@ -25,6 +25,8 @@ pub struct Shared {
     pub clients: DashMap<u64, ClientInfo>,
     pub stats: Stats,
     pub metrics: Arc<crate::metrics::Metrics>,
+    /// Idle server connections kept for the next client.
+    pub pool: crate::pool::ServerPool,
     next_client_id: AtomicU64,
     active: Arc<AtomicUsize>,
     /// Where the configuration was read from, for RELOAD and SIGHUP.
@@ -52,6 +54,7 @@ impl Shared {
             clients: DashMap::new(),
             stats: Stats::default(),
             metrics: Arc::default(),
+            pool: crate::pool::ServerPool::default(),
             next_client_id: AtomicU64::new(1),
             active: Arc::new(AtomicUsize::new(0)),
             source: Mutex::new(None),

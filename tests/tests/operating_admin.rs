@@ -442,6 +442,8 @@ async fn simple_query_columns_and_content() {
             "fence_checks",
             "queries",
             "rejections",
+            "servers_idle",
+            "servers_reused",
             "upstream_errors"
         ]
     );
@@ -510,7 +512,7 @@ async fn simple_query_columns_and_content() {
     let db = err.as_db_error().expect("a server error");
     assert_eq!(db.code().code(), "0A000", "{db:?}");
     assert!(db.message().contains("simple query protocol"), "{db:?}");
-    assert_eq!(show(&admin, "SHOW STATS").await.rows.len(), 7);
+    assert_eq!(show(&admin, "SHOW STATS").await.rows.len(), 9);
     assert!(
         admin.simple_query("").await.is_ok(),
         "an empty query is fine"

@@ -100,10 +100,8 @@ impl Session {
             | Frontend::CopyDone
             | Frontend::CopyFail
             | Frontend::Password => self.to_server.extend_from_slice(frame),
-            Frontend::Terminate => {
-                self.to_server.extend_from_slice(frame);
-                return Ok(Flow::Terminate);
-            }
+            // The session's end sends Terminate upstream, or keeps the connection.
+            Frontend::Terminate => return Ok(Flow::Terminate),
         }
         Ok(Flow::Continue)
     }

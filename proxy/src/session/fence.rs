@@ -283,6 +283,7 @@ impl Session {
             return Ok(());
         };
         let value = msg::cstr(rest).map(|(v, _)| v).unwrap_or_default();
+        self.login.set_param(name, frame);
         match name {
             b"standard_conforming_strings" => {
                 let scs = value != b"off";

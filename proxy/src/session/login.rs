@@ -22,10 +22,8 @@ impl Session {
                 self.to_server.extend_from_slice(frame);
                 Ok(Flow::Continue)
             }
-            b'X' => {
-                self.to_server.extend_from_slice(frame);
-                Ok(Flow::Terminate)
-            }
+            // The session's end sends Terminate upstream (see `Session::release`).
+            b'X' => Ok(Flow::Terminate),
             _ => Err(SessionError::UnexpectedClientMessage(tag as char)),
         }
     }
@@ -45,6 +43,7 @@ impl Session {
                 let pid = i32::from_be_bytes([body[0], body[1], body[2], body[3]]);
                 let key = i32::from_be_bytes([body[4], body[5], body[6], body[7]]);
                 self.backend_pid = pid;
+                self.login.backend_key = frame.into();
                 let (cpid, ckey) = self.shared.cancel.register(CancelTarget {
                     upstream: self.upstream,
                     pid,
@@ -80,7 +79,15 @@ impl Session {
                 self.on_parameter_status(frame)?;
                 self.to_client.extend_from_slice(frame);
             }
-            b'R' | b'E' | b'N' | b'v' => self.to_client.extend_from_slice(frame),
+            b'R' => {
+                // Anything but AuthenticationOk asked the client for credentials: such a
+                // connection is never handed to another client.
+                if crate::protocol::message::body(frame).get(..4) != Some(&[0, 0, 0, 0]) {
+                    self.reusable_login = false;
+                }
+                self.to_client.extend_from_slice(frame);
+            }
+            b'E' | b'N' | b'v' => self.to_client.extend_from_slice(frame),
             _ => return Err(SessionError::UnexpectedServerMessage(tag as char)),
         }
         Ok(())

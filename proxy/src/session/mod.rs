@@ -31,6 +31,7 @@ use tracing::{debug, info_span, warn, Instrument};
 
 use crate::cancel;
 use crate::error::SessionError;
+use crate::pool::{LoginReply, Parked, PoolKey};
 use crate::protocol::next_frame;
 use crate::protocol::startup::Startup;
 use crate::state::Shared;
@@ -47,6 +48,8 @@ const READ_CHUNK: usize = 16 * 1024;
 /// Largest server message: `limits.max_message_size` protects pgfence from its clients, and
 /// must not cut off a result row PostgreSQL is willing to send (a field may hold 1 GB).
 const SERVER_MAX_MESSAGE: u32 = i32::MAX as u32;
+/// How long resetting a server connection for the next client may take.
+const RESET_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 /// How long the last words to a client whose session fails may take to write.
 const FAIL_WRITE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -215,20 +218,35 @@ async fn run_session(
         return tell_client(&mut client, SessionError::NotAdmin(startup.user())).await;
     }
     let upstream_name = config.upstream.to_string();
-    let server = match connect_upstream(&config).await {
-        Ok(s) => s,
-        Err(reason) => {
-            shared.upstream_error();
-            warn!(upstream = %upstream_name, %reason, "cannot connect to upstream");
-            return tell_client(
-                &mut client,
-                SessionError::UpstreamConnect {
-                    upstream: upstream_name,
-                    reason,
-                },
-            )
-            .await;
-        }
+    let pool_key = (!admin && config.pool.reuse_servers).then(|| PoolKey {
+        upstream: upstream_name.clone(),
+        startup: cbuf[..packet_len].into(),
+    });
+    let parked = pool_key
+        .as_ref()
+        .and_then(|key| shared.pool.take(key, &config.pool))
+        .and_then(|p| {
+            let born = p.born;
+            let login = p.login;
+            TcpStream::from_std(p.stream).ok().map(|s| (s, born, login))
+        });
+    let (mut server, born, reused) = match parked {
+        Some((s, born, login)) => (s, born, Some(login)),
+        None => match connect_upstream(&config).await {
+            Ok(s) => (s, Instant::now(), None),
+            Err(reason) => {
+                shared.upstream_error();
+                warn!(upstream = %upstream_name, %reason, "cannot connect to upstream");
+                return tell_client(
+                    &mut client,
+                    SessionError::UpstreamConnect {
+                        upstream: upstream_name,
+                        reason,
+                    },
+                )
+                .await;
+            }
+        },
     };
     let upstream_addr = server.peer_addr().map_err(SessionError::ServerIo)?;
     shared.metrics.upstream_connections.inc();
@@ -241,14 +259,20 @@ async fn run_session(
         session.admin = true;
         let packet = startup.encode_with_database(&session.shared.config().admin.database);
         session.to_server.extend_from_slice(&packet);
+    } else if let Some(login) = reused {
+        debug!("reusing an idle server connection");
+        session.replay_login(login)?;
     } else {
         // The startup packet goes upstream exactly as the client sent it.
         session.to_server.extend_from_slice(&cbuf[..packet_len]);
     }
     cbuf.advance(packet_len);
     crate::state::Stats::add(&shared.stats.clients_total);
-    let result = session.run(client, server, cbuf, stop).await;
+    let result = session.run(client, &mut server, cbuf, stop).await;
     session.finish();
+    if result.is_ok() {
+        session.release(server, born, pool_key).await;
+    }
     let server_side = matches!(&result, Err(e) if matches!(e.side(), crate::error::Side::Server));
     match session.server_fatal {
         Some(true) if !server_side => Err(SessionError::ServerIo(std::io::Error::new(
@@ -320,6 +344,12 @@ pub(crate) struct Session {
     /// decides the upstream error count however the session then ends: the client often
     /// goes away before pgfence reads the end of the server connection.
     server_fatal: Option<bool>,
+    /// The login reply as the server stands now, for the next client of this connection.
+    login: LoginReply,
+    /// The server accepted the login without asking for credentials (see [`crate::pool`]).
+    reusable_login: bool,
+    /// The client closed in the middle of a message.
+    client_left_mid_message: bool,
 }
 
 impl Session {
@@ -369,6 +399,9 @@ impl Session {
             sync_sent: std::collections::VecDeque::new(),
             check_sent: None,
             server_fatal: None,
+            login: LoginReply::default(),
+            reusable_login: true,
+            client_left_mid_message: false,
         }
     }
 
@@ -376,7 +409,7 @@ impl Session {
     async fn run(
         &mut self,
         mut client: TcpStream,
-        mut server: TcpStream,
+        server: &mut TcpStream,
         mut cbuf: BytesMut,
         stop: &Stop,
     ) -> Result<(), SessionError> {
@@ -402,6 +435,8 @@ impl Session {
                 }
             }
             if !client_open && self.to_server.is_empty() {
+                // Part of a message the client never finished: not a clean goodbye.
+                self.client_left_mid_message = !cbuf.is_empty();
                 return Ok(());
             }
             if draining
@@ -446,8 +481,7 @@ impl Session {
                 r = cr.read_buf(&mut cbuf), if read_client => {
                     let n = r.map_err(SessionError::ClientIo)?;
                     if n == 0 {
-                        // The client went away without Terminate: end the server session.
-                        crate::protocol::message::write_message(&mut self.to_server, b'X', |_| {});
+                        // The client went away without Terminate: as if it had sent one.
                         client_open = false;
                     } else {
                         client_pending = true;
@@ -558,6 +592,105 @@ impl Session {
         }
         buf.advance(at);
         Ok(())
+    }
+
+    /// Logs a client in on a kept server connection: the client gets the login reply the
+    /// server gave, with pgfence's own cancel key for it, as if the server had just sent it.
+    fn replay_login(&mut self, login: LoginReply) -> Result<(), SessionError> {
+        use crate::protocol::message::write_message;
+        let mut frame = BytesMut::new();
+        write_message(&mut frame, b'R', |o| bytes::BufMut::put_i32(o, 0));
+        self.on_auth_server_frame(b'R', &frame)?;
+        for (_, param) in &login.params {
+            self.on_auth_server_frame(b'S', param)?;
+        }
+        self.on_auth_server_frame(b'K', &login.backend_key)?;
+        frame.clear();
+        crate::protocol::message::ready_for_query(&mut frame, b'I');
+        self.on_auth_server_frame(b'Z', &frame)?;
+        Ok(())
+    }
+
+    /// Whether the server session is idle and clean enough to be reset and kept.
+    fn poolable(&self) -> bool {
+        self.phase == Phase::Ready
+            && self.reusable_login
+            && !self.client_left_mid_message
+            && self.server_fatal.is_none()
+            && self.tx.view == tx::View::Idle
+            && self.replies.is_empty()
+            && self.hold == Hold::None
+            && self.copy_in == CopyIn::None
+            && self.commit_check == CommitCheck::None
+            && self.held_complete.is_none()
+            && self.discard_until_sync.is_none()
+            && self.to_server.is_empty()
+            && !self.login.backend_key.is_empty()
+    }
+
+    /// After the client left: keeps the server connection for the next client when it can
+    /// be reset, else ends the server session with Terminate.
+    async fn release(&mut self, mut server: TcpStream, born: Instant, key: Option<PoolKey>) {
+        if let Some(key) = key.filter(|_| self.poolable()) {
+            match tokio::time::timeout(RESET_TIMEOUT, self.reset(&mut server)).await {
+                Ok(Ok(())) => {
+                    if let Ok(stream) = server.into_std() {
+                        let login = std::mem::take(&mut self.login);
+                        let config = self.shared.config();
+                        self.shared
+                            .pool
+                            .put(key, Parked::new(stream, login, born), &config.pool);
+                    }
+                    return;
+                }
+                Ok(Err(e)) => debug!(error = %e, "server reset failed: closing the connection"),
+                Err(_) => debug!("server reset timed out: closing the connection"),
+            }
+        }
+        let terminate = [b'X', 0, 0, 0, 4];
+        let _ = tokio::time::timeout(FAIL_WRITE_TIMEOUT, server.write_all(&terminate)).await;
+    }
+
+    /// `DISCARD ALL` (PgBouncer's `server_reset_query`): drops what the session left
+    /// behind (settings, prepared statements, temporary tables, LISTEN, session advisory
+    /// locks) and records the parameters it reports back.
+    async fn reset(&mut self, server: &mut TcpStream) -> Result<(), SessionError> {
+        let mut out = BytesMut::new();
+        crate::protocol::message::query(&mut out, b"DISCARD ALL");
+        server
+            .write_all(&out)
+            .await
+            .map_err(SessionError::ServerIo)?;
+        let mut buf = BytesMut::with_capacity(1024);
+        loop {
+            while let Some((tag, len)) =
+                next_frame(&buf, SERVER_MAX_MESSAGE).map_err(SessionError::ServerFrame)?
+            {
+                let frame = buf.split_to(len);
+                match tag {
+                    b'S' => self.on_parameter_status(&frame)?,
+                    b'C' | b'N' => {}
+                    b'Z' if crate::protocol::message::ready_status(&frame) == b'I' => {
+                        return if buf.is_empty() {
+                            Ok(())
+                        } else {
+                            Err(SessionError::UnexpectedServerMessage(buf[0] as char))
+                        };
+                    }
+                    _ => return Err(SessionError::UnexpectedServerMessage(tag as char)),
+                }
+            }
+            if server
+                .read_buf(&mut buf)
+                .await
+                .map_err(SessionError::ServerIo)?
+                == 0
+            {
+                return Err(SessionError::ServerIo(
+                    std::io::ErrorKind::UnexpectedEof.into(),
+                ));
+            }
+        }
     }
 
     /// Cleans up shared state when the session ends.

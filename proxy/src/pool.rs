@@ -1,0 +1,187 @@
+//! Idle server connections kept between client sessions (PgBouncer's session mode).
+//!
+//! A connection is parked after its client left with the server session idle and reset
+//! (`DISCARD ALL`), under the exact startup packet its login used and the upstream it goes
+//! to. The next client sending the same startup packet gets it, with the login reply the
+//! server gave (parameters as they are after the reset, and the server's cancel key), and
+//! starts without a new backend process: no fork, no authentication, no cold caches.
+//!
+//! Parked sockets are plain `std` sockets, registered with no runtime: the worker thread
+//! that takes one registers it with its own I/O driver.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use pgfence_config::Pool as PoolConfig;
+use tracing::debug;
+
+/// What a parked connection is kept under.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PoolKey {
+    /// `host:port` of the upstream.
+    pub upstream: String,
+    /// The startup packet, byte for byte.
+    pub startup: Box<[u8]>,
+}
+
+/// A parameter's name and the ParameterStatus message that reports its value.
+pub type ParameterStatus = (Box<[u8]>, Box<[u8]>);
+
+/// What a client is told at login when it gets a parked connection.
+#[derive(Debug, Clone, Default)]
+pub struct LoginReply {
+    /// The server's ParameterStatus messages, one per parameter, latest value.
+    pub params: Vec<ParameterStatus>,
+    /// The server's BackendKeyData message (pgfence gives each client its own key).
+    pub backend_key: Box<[u8]>,
+}
+
+impl LoginReply {
+    /// Records a ParameterStatus message for `name`, replacing an older one.
+    pub fn set_param(&mut self, name: &[u8], frame: &[u8]) {
+        match self.params.iter_mut().find(|(n, _)| &**n == name) {
+            Some(slot) => slot.1 = frame.into(),
+            None => self.params.push((name.into(), frame.into())),
+        }
+    }
+}
+
+/// An idle server connection.
+#[derive(Debug)]
+pub struct Parked {
+    pub stream: std::net::TcpStream,
+    pub login: LoginReply,
+    /// When the connection was opened (for `server_lifetime`).
+    pub born: Instant,
+    parked_at: Instant,
+}
+
+impl Parked {
+    pub fn new(stream: std::net::TcpStream, login: LoginReply, born: Instant) -> Parked {
+        Parked {
+            stream,
+            login,
+            born,
+            parked_at: Instant::now(),
+        }
+    }
+
+    fn expired(&self, config: &PoolConfig, now: Instant) -> bool {
+        now.duration_since(self.parked_at) >= config.server_idle_timeout
+            || now.duration_since(self.born) >= config.server_lifetime
+    }
+
+    /// The server has said nothing since the reset and has not closed: a parked session
+    /// the server ended (`pg_terminate_backend`, `idle_session_timeout`, a restart) has sent
+    /// an error or EOF by now.
+    fn quiet(&self) -> bool {
+        let mut byte = [0u8; 1];
+        matches!(self.stream.peek(&mut byte), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+    }
+}
+
+/// Ends a parked server session politely (Terminate), without waiting.
+fn close(parked: Parked, why: &'static str) {
+    let mut stream = parked.stream;
+    let _ = stream.write(&[b'X', 0, 0, 0, 4]);
+    debug!(why, "closed an idle server connection");
+}
+
+/// The idle server connections of one pgfence process.
+#[derive(Debug, Default)]
+pub struct ServerPool {
+    idle: Mutex<HashMap<PoolKey, Vec<Parked>>>,
+    /// Connections handed to a client instead of opening one.
+    pub reused: AtomicU64,
+}
+
+impl ServerPool {
+    /// A live parked connection for `key`, if there is one; expired or dead ones met on the
+    /// way are closed.
+    pub fn take(&self, key: &PoolKey, config: &PoolConfig) -> Option<Parked> {
+        let now = Instant::now();
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let list = idle.get_mut(key)?;
+        let mut found = None;
+        // Most recently parked first: the rest age out when load drops.
+        while let Some(parked) = list.pop() {
+            if parked.expired(config, now) {
+                close(parked, "expired");
+            } else if !parked.quiet() {
+                close(parked, "closed by the server while idle");
+            } else {
+                found = Some(parked);
+                break;
+            }
+        }
+        if list.is_empty() {
+            idle.remove(key);
+        }
+        if found.is_some() {
+            self.reused.fetch_add(1, Ordering::Relaxed);
+        }
+        found
+    }
+
+    /// Keeps `parked` for the next client with the same key, unless the pool is full or the
+    /// connection is too old.
+    pub fn put(&self, key: PoolKey, parked: Parked, config: &PoolConfig) {
+        if parked.expired(config, Instant::now()) {
+            return close(parked, "server_lifetime reached");
+        }
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        if idle.values().map(Vec::len).sum::<usize>() >= config.max_idle_servers {
+            drop(idle);
+            return close(parked, "max_idle_servers reached");
+        }
+        idle.entry(key).or_default().push(parked);
+    }
+
+    /// Closes connections idle longer than `server_idle_timeout`, older than
+    /// `server_lifetime`, or to another upstream than `upstream` (after a reload).
+    pub fn sweep(&self, config: &PoolConfig, upstream: &str) {
+        let now = Instant::now();
+        let mut expired = Vec::new();
+        {
+            let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+            for (key, list) in idle.iter_mut() {
+                let moved = key.upstream != upstream;
+                let mut i = 0;
+                while i < list.len() {
+                    if moved || list[i].expired(config, now) {
+                        expired.push(list.swap_remove(i));
+                    } else {
+                        i += 1;
+                    }
+                }
+            }
+            idle.retain(|_, list| !list.is_empty());
+        }
+        for parked in expired {
+            close(parked, "idle timeout, lifetime or upstream changed");
+        }
+    }
+
+    /// Closes every idle connection (shutdown, or pooling turned off by a reload).
+    pub fn clear(&self) {
+        let all: Vec<Parked> = {
+            let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+            idle.drain().flat_map(|(_, list)| list).collect()
+        };
+        for parked in all {
+            close(parked, "pool cleared");
+        }
+    }
+
+    /// How many idle connections are kept.
+    pub fn idle_count(&self) -> usize {
+        let idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        idle.values().map(Vec::len).sum()
+    }
+}
+
+/// How often idle connections are checked for timeouts.
+pub const SWEEP_EVERY: Duration = Duration::from_secs(1);

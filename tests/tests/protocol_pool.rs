@@ -1,0 +1,334 @@
+//! Server connections kept between client sessions (`[pool]`, PgBouncer's session mode).
+//!
+//! - [`idle_server_is_reset_and_reused`]: a client that leaves with its server session idle
+//!   hands the backend to the next client with the same startup packet; everything the first
+//!   left behind (settings, prepared statements, temporary tables, LISTEN, advisory locks)
+//!   is gone; writes, the fence and cancel work on the reused connection.
+//! - [`only_clean_identical_passwordless_logins_are_reused`]: a session that ends inside a
+//!   transaction, a different startup packet, and a login the server asked a password for
+//!   never get (or give) a kept connection: a wrong password is still refused.
+//! - [`client_gone_mid_message_is_not_kept`]: over raw TCP, a truncated frame then close
+//!   closes the server connection; a Terminate right after a query keeps it.
+//! - [`server_gone_while_idle_is_replaced`]: a kept backend terminated on the server is not
+//!   handed out.
+//! - [`reuse_off_and_idle_timeout`]: `reuse_servers = false` keeps nothing;
+//!   `server_idle_timeout` closes kept connections.
+
+use std::time::{Duration, Instant};
+
+use harness::wire::{self, RawConn};
+use harness::{
+    connect_to, try_connect_to, PgCluster, Proxy, APP_DB, SCRAM_PASSWORD, SCRAM_USER, SUPERUSER,
+};
+use pgfence_config::Config;
+use tokio_postgres::{Client, NoTls, SimpleQueryMessage};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn proxy_with(cluster: &PgCluster, edit: impl FnOnce(&mut Config)) -> Proxy {
+    cluster.psql(APP_DB, &fence_core::sql::install_sql(None));
+    let mut config = Proxy::config_for(cluster);
+    config.admin.users = vec!["postgres".into()];
+    edit(&mut config);
+    Proxy::start(config)
+}
+
+async fn backend_pid(client: &Client) -> i32 {
+    client
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// One value of the admin console's SHOW STATS.
+async fn stat(proxy: &Proxy, name: &str) -> u64 {
+    let console = connect_to(&proxy.connstr("pgfence")).await;
+    for message in console.simple_query("SHOW STATS").await.unwrap() {
+        if let SimpleQueryMessage::Row(row) = message {
+            if row.get(0) == Some(name) {
+                return row.get(1).unwrap().parse().unwrap();
+            }
+        }
+    }
+    panic!("SHOW STATS has no {name}");
+}
+
+/// Waits until SHOW STATS says `servers_idle` is `n`.
+async fn wait_idle_servers(proxy: &Proxy, n: u64) {
+    let start = Instant::now();
+    loop {
+        let idle = stat(proxy, "servers_idle").await;
+        if idle == n {
+            return;
+        }
+        assert!(
+            start.elapsed() < WAIT,
+            "servers_idle is {idle} after {WAIT:?}, expected {n}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Waits until backend `pid` is gone from the server.
+async fn wait_backend_gone(direct: &Client, pid: i32) {
+    let start = Instant::now();
+    loop {
+        let n: i64 = direct
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE pid = $1",
+                &[&pid],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if n == 0 {
+            return;
+        }
+        assert!(
+            start.elapsed() < WAIT,
+            "backend {pid} still there after {WAIT:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_server_is_reset_and_reused() {
+    let cluster = PgCluster::start();
+    let proxy = proxy_with(&cluster, |_| {});
+    let direct = cluster.connect(APP_DB).await;
+    direct
+        .batch_execute("CREATE TABLE pooled (x int)")
+        .await
+        .unwrap();
+
+    let first = proxy.connect(APP_DB).await;
+    let pid = backend_pid(&first).await;
+    first
+        .batch_execute(
+            "SET application_name = 'first'; SET work_mem = '7MB'; \
+             PREPARE leftover AS SELECT 1; CREATE TEMP TABLE scratch (x int); \
+             LISTEN somewhere; SELECT pg_advisory_lock(42)",
+        )
+        .await
+        .unwrap();
+    drop(first);
+    wait_idle_servers(&proxy, 1).await;
+
+    let second = proxy.connect(APP_DB).await;
+    assert_eq!(
+        backend_pid(&second).await,
+        pid,
+        "the idle backend is reused"
+    );
+    wait_idle_servers(&proxy, 0).await;
+    let row = second
+        .query_one(
+            "SELECT current_setting('application_name'), current_setting('work_mem'), \
+             (SELECT count(*) FROM pg_prepared_statements WHERE name = 'leftover'), \
+             to_regclass('pg_temp.scratch') IS NULL, \
+             (SELECT count(*) FROM pg_listening_channels()), \
+             (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' \
+                AND pid = pg_backend_pid())",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, String>(0), "", "application_name reset");
+    assert_eq!(row.get::<_, String>(1), "4MB", "work_mem reset");
+    assert_eq!(row.get::<_, i64>(2), 0, "prepared statements deallocated");
+    assert!(row.get::<_, bool>(3), "temporary table dropped");
+    assert_eq!(row.get::<_, i64>(4), 0, "LISTEN undone");
+    assert_eq!(row.get::<_, i64>(5), 0, "advisory lock released");
+
+    // Writes and the fence work on the reused connection (pgfence's own prepared check was
+    // deallocated by the reset and is prepared again).
+    second
+        .batch_execute(
+            "SET fencing.resource = 'pool'; SET fencing.token = '5'; \
+             INSERT INTO pooled VALUES (1)",
+        )
+        .await
+        .unwrap();
+    second
+        .batch_execute("SET fencing.token = '4'")
+        .await
+        .unwrap();
+    let stale = second.batch_execute("INSERT INTO pooled VALUES (2)").await;
+    assert_eq!(
+        harness::fence::sqlstate(&stale).as_deref(),
+        Some("FN001"),
+        "{stale:?}"
+    );
+
+    // Cancel reaches the reused backend through the key pgfence gave this client.
+    let cancel = second.cancel_token();
+    let sleeper = tokio::spawn(async move {
+        let r = second.batch_execute("SELECT pg_sleep(30)").await;
+        (second, r)
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    cancel.cancel_query(NoTls).await.unwrap();
+    let (_second, r) = tokio::time::timeout(WAIT, sleeper).await.unwrap().unwrap();
+    assert_eq!(
+        harness::fence::sqlstate(&r).as_deref(),
+        Some("57014"),
+        "{r:?}"
+    );
+    assert_eq!(stat(&proxy, "servers_reused").await, 1);
+    let n: i64 = direct
+        .query_one("SELECT count(*) FROM pooled", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_clean_identical_passwordless_logins_are_reused() {
+    let cluster = PgCluster::start();
+    let proxy = proxy_with(&cluster, |_| {});
+    let direct = cluster.connect(APP_DB).await;
+
+    // Gone inside a transaction: the backend is closed, not kept.
+    let open = proxy.connect(APP_DB).await;
+    let open_pid = backend_pid(&open).await;
+    open.batch_execute("BEGIN; SELECT 1").await.unwrap();
+    drop(open);
+    wait_backend_gone(&direct, open_pid).await;
+    assert_eq!(stat(&proxy, "servers_idle").await, 0);
+
+    // A kept backend goes only to the same startup packet.
+    let plain = proxy.connect(APP_DB).await;
+    let plain_pid = backend_pid(&plain).await;
+    drop(plain);
+    wait_idle_servers(&proxy, 1).await;
+    let other = connect_to(&format!("{} application_name=other", proxy.connstr(APP_DB))).await;
+    assert_ne!(backend_pid(&other).await, plain_pid);
+    assert_eq!(stat(&proxy, "servers_idle").await, 1);
+    drop(other);
+    wait_idle_servers(&proxy, 2).await;
+
+    // A login the server asked a password for is never kept, so a wrong password is
+    // refused as ever.
+    let scram = |password: &str| proxy.connstr_as(APP_DB, SCRAM_USER, Some(password));
+    let first = try_connect_to(&scram(SCRAM_PASSWORD)).await.unwrap();
+    let scram_pid = backend_pid(&first).await;
+    drop(first);
+    wait_backend_gone(&direct, scram_pid).await;
+    assert_eq!(stat(&proxy, "servers_idle").await, 2);
+    let wrong = try_connect_to(&scram("not-the-password")).await;
+    assert_eq!(
+        harness::fence::sqlstate(&wrong).as_deref(),
+        Some("28P01"),
+        "{wrong:?}"
+    );
+    let again = try_connect_to(&scram(SCRAM_PASSWORD)).await.unwrap();
+    assert_ne!(backend_pid(&again).await, scram_pid);
+}
+
+/// A raw-protocol session through `proxy`, logged in as the superuser.
+fn raw_login(proxy: &Proxy) -> RawConn {
+    let mut conn = RawConn::connect(proxy.addr());
+    conn.send(&wire::startup(SUPERUSER, APP_DB));
+    conn.until_ready();
+    conn
+}
+
+/// The backend of the session that last ran `SELECT <marker>`.
+async fn pid_that_ran(direct: &Client, marker: &str) -> i32 {
+    direct
+        .query_one(
+            "SELECT pid FROM pg_stat_activity WHERE query = $1",
+            &[&format!("SELECT {marker}")],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_gone_mid_message_is_not_kept() {
+    let cluster = PgCluster::start();
+    let proxy = proxy_with(&cluster, |_| {});
+    let direct = cluster.connect(APP_DB).await;
+
+    // Half a Query, then the client closes: the server connection is closed.
+    let mut conn = raw_login(&proxy);
+    conn.send(&wire::query("SELECT 1001"));
+    conn.until_ready();
+    let pid = pid_that_ran(&direct, "1001").await;
+    let q = wire::query("SELECT 1");
+    conn.send(&q[..q.len() - 4]);
+    conn.shutdown_write();
+    assert!(conn.until_closed().is_empty());
+    wait_backend_gone(&direct, pid).await;
+    assert_eq!(stat(&proxy, "servers_idle").await, 0);
+
+    // A query, its reply, then Terminate: kept.
+    let mut conn = raw_login(&proxy);
+    conn.send(&wire::query("SELECT 1002"));
+    conn.until_ready();
+    let pid = pid_that_ran(&direct, "1002").await;
+    conn.send(&wire::terminate());
+    assert!(conn.until_closed().is_empty());
+    wait_idle_servers(&proxy, 1).await;
+    // The same startup packet gets it (tokio-postgres's would not: it sends other
+    // parameters).
+    let mut again = raw_login(&proxy);
+    again.send(&wire::query("SELECT pg_backend_pid()"));
+    let rows: Vec<_> = again
+        .until_ready()
+        .iter()
+        .filter_map(|m| m.data_row())
+        .collect();
+    assert_eq!(rows, vec![vec![Some(pid.to_string().into_bytes())]]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_gone_while_idle_is_replaced() {
+    let cluster = PgCluster::start();
+    let proxy = proxy_with(&cluster, |_| {});
+    let direct = cluster.connect(APP_DB).await;
+    let first = proxy.connect(APP_DB).await;
+    let pid = backend_pid(&first).await;
+    drop(first);
+    wait_idle_servers(&proxy, 1).await;
+    direct
+        .execute("SELECT pg_terminate_backend($1)", &[&pid])
+        .await
+        .unwrap();
+    wait_backend_gone(&direct, pid).await;
+
+    let second = proxy.connect(APP_DB).await;
+    assert_ne!(backend_pid(&second).await, pid);
+    assert_eq!(stat(&proxy, "servers_reused").await, 0);
+    assert_eq!(stat(&proxy, "servers_idle").await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reuse_off_and_idle_timeout() {
+    let cluster = PgCluster::start();
+    let direct = cluster.connect(APP_DB).await;
+
+    let off = proxy_with(&cluster, |c| c.pool.reuse_servers = false);
+    let first = off.connect(APP_DB).await;
+    let pid = backend_pid(&first).await;
+    drop(first);
+    wait_backend_gone(&direct, pid).await;
+    let second = off.connect(APP_DB).await;
+    assert_ne!(backend_pid(&second).await, pid);
+    assert_eq!(stat(&off, "servers_idle").await, 0);
+
+    let short = proxy_with(&cluster, |c| {
+        c.pool.server_idle_timeout = Duration::from_millis(500)
+    });
+    let kept = short.connect(APP_DB).await;
+    let pid = backend_pid(&kept).await;
+    drop(kept);
+    wait_idle_servers(&short, 1).await;
+    // The sweep runs every second: closed within about 1.5 s of being kept.
+    wait_idle_servers(&short, 0).await;
+    wait_backend_gone(&direct, pid).await;
+}
