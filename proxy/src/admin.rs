@@ -194,7 +194,7 @@ pub fn answer(shared: &Shared, sql: &[u8], out: &mut BytesMut) -> Answer {
                 ("fast_rejections", s.fast_rejections.load(Ordering::Relaxed)),
                 ("upstream_errors", s.upstream_errors.load(Ordering::Relaxed)),
                 ("servers_idle", shared.pool.idle_count() as u64),
-                ("servers_reused", shared.pool.reused.load(Ordering::Relaxed)),
+                ("servers_reused", shared.pool.reused()),
             ]
             .iter()
             .map(|(k, v)| vec![k.to_string(), v.to_string()])

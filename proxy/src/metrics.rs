@@ -53,6 +53,8 @@ pub struct Metrics {
     pub fence_token: Family<ResourceLabel, Gauge>,
     pub client_connections: Gauge,
     pub upstream_connections: Gauge,
+    pub upstream_idle: Gauge,
+    pub upstream_reused: Counter,
     pub upstream_errors: Counter,
     pub check_latency: Histogram,
     pub query_latency: Histogram,
@@ -66,6 +68,8 @@ impl Default for Metrics {
         let fence_token = Family::<ResourceLabel, Gauge>::default();
         let client_connections = Gauge::default();
         let upstream_connections = Gauge::default();
+        let upstream_idle = Gauge::default();
+        let upstream_reused = Counter::default();
         let upstream_errors = Counter::default();
         // 50 µs .. ~1.6 s
         let check_latency = Histogram::new(exponential_buckets(0.00005, 2.0, 16));
@@ -92,8 +96,18 @@ impl Default for Metrics {
         );
         registry.register(
             "pgfence_upstream_connections",
-            "Upstream connections open now",
+            "Upstream connections serving a client session now",
             upstream_connections.clone(),
+        );
+        registry.register(
+            "pgfence_upstream_idle_connections",
+            "Upstream connections kept idle for the next client ([pool])",
+            upstream_idle.clone(),
+        );
+        registry.register(
+            "pgfence_upstream_reused",
+            "Client sessions that got a kept upstream connection instead of a new one",
+            upstream_reused.clone(),
         );
         registry.register(
             "pgfence_upstream_errors",
@@ -117,6 +131,8 @@ impl Default for Metrics {
             fence_token,
             client_connections,
             upstream_connections,
+            upstream_idle,
+            upstream_reused,
             upstream_errors,
             check_latency,
             query_latency,

@@ -11,11 +11,12 @@
 
 use std::collections::HashMap;
 use std::io::Write;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use pgfence_config::Pool as PoolConfig;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
 use tracing::debug;
 
 /// What a parked connection is kept under.
@@ -94,11 +95,32 @@ fn close(parked: Parked, why: &'static str) {
 #[derive(Debug, Default)]
 pub struct ServerPool {
     idle: Mutex<HashMap<PoolKey, Vec<Parked>>>,
-    /// Connections handed to a client instead of opening one.
-    pub reused: AtomicU64,
+    /// How many are idle (`pgfence_upstream_idle_connections`).
+    idle_gauge: Gauge,
+    /// Connections handed to a client instead of opening one (`pgfence_upstream_reused`).
+    reused: Counter,
 }
 
 impl ServerPool {
+    /// A pool that keeps `idle_gauge` and `reused` (the metrics') up to date.
+    pub fn new(idle_gauge: Gauge, reused: Counter) -> ServerPool {
+        ServerPool {
+            idle: Mutex::default(),
+            idle_gauge,
+            reused,
+        }
+    }
+
+    /// Connections handed to a client instead of opening one, since start.
+    pub fn reused(&self) -> u64 {
+        self.reused.get()
+    }
+
+    fn count(&self, idle: &HashMap<PoolKey, Vec<Parked>>) {
+        let n = idle.values().map(Vec::len).sum::<usize>();
+        self.idle_gauge.set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
     /// A live parked connection for `key`, if there is one; expired or dead ones met on the
     /// way are closed.
     pub fn take(&self, key: &PoolKey, config: &PoolConfig) -> Option<Parked> {
@@ -120,8 +142,9 @@ impl ServerPool {
         if list.is_empty() {
             idle.remove(key);
         }
+        self.count(&idle);
         if found.is_some() {
-            self.reused.fetch_add(1, Ordering::Relaxed);
+            self.reused.inc();
         }
         found
     }
@@ -138,6 +161,7 @@ impl ServerPool {
             return close(parked, "max_idle_servers reached");
         }
         idle.entry(key).or_default().push(parked);
+        self.count(&idle);
     }
 
     /// Closes connections idle longer than `server_idle_timeout`, older than
@@ -159,6 +183,7 @@ impl ServerPool {
                 }
             }
             idle.retain(|_, list| !list.is_empty());
+            self.count(&idle);
         }
         for parked in expired {
             close(parked, "idle timeout, lifetime or upstream changed");
@@ -169,7 +194,9 @@ impl ServerPool {
     pub fn clear(&self) {
         let all: Vec<Parked> = {
             let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-            idle.drain().flat_map(|(_, list)| list).collect()
+            let all = idle.drain().flat_map(|(_, list)| list).collect();
+            self.count(&idle);
+            all
         };
         for parked in all {
             close(parked, "pool cleared");
@@ -178,8 +205,7 @@ impl ServerPool {
 
     /// How many idle connections are kept.
     pub fn idle_count(&self) -> usize {
-        let idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        idle.values().map(Vec::len).sum()
+        usize::try_from(self.idle_gauge.get()).unwrap_or(0)
     }
 }
 

@@ -46,6 +46,7 @@ impl Drop for ActiveGuard {
 
 impl Shared {
     pub fn new(config: Arc<Config>) -> Shared {
+        let metrics = Arc::new(crate::metrics::Metrics::default());
         Shared {
             config: RwLock::new(config),
             cancel: CancelRegistry::default(),
@@ -53,8 +54,11 @@ impl Shared {
             rejections: Mutex::new(VecDeque::with_capacity(REJECTIONS_KEPT)),
             clients: DashMap::new(),
             stats: Stats::default(),
-            metrics: Arc::default(),
-            pool: crate::pool::ServerPool::default(),
+            pool: crate::pool::ServerPool::new(
+                metrics.upstream_idle.clone(),
+                metrics.upstream_reused.clone(),
+            ),
+            metrics,
             next_client_id: AtomicU64::new(1),
             active: Arc::new(AtomicUsize::new(0)),
             source: Mutex::new(None),

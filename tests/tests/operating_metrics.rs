@@ -22,6 +22,7 @@ const REJECTIONS: &str = "pgfence_rejections_total";
 const TOKEN: &str = "pgfence_fence_token";
 const CLIENTS: &str = "pgfence_client_connections";
 const UPSTREAMS: &str = "pgfence_upstream_connections";
+const UPSTREAMS_IDLE: &str = "pgfence_upstream_idle_connections";
 const UPSTREAM_ERRORS: &str = "pgfence_upstream_errors_total";
 const CHECK_LATENCY: &str = "pgfence_fence_check_duration_seconds";
 const QUERY_LATENCY: &str = "pgfence_query_duration_seconds";
@@ -131,6 +132,8 @@ async fn counters_move_by_what_happened() {
         (TOKEN, "gauge"),
         (CLIENTS, "gauge"),
         (UPSTREAMS, "gauge"),
+        (UPSTREAMS_IDLE, "gauge"),
+        ("pgfence_upstream_reused", "counter"),
         ("pgfence_upstream_errors", "counter"),
         (CHECK_LATENCY, "histogram"),
         (QUERY_LATENCY, "histogram"),
@@ -297,13 +300,17 @@ async fn counters_move_by_what_happened() {
     assert_eq!(after.must(UPSTREAMS, &[]), 4.0, "{}", after.text);
     assert_eq!(after.must(UPSTREAM_ERRORS, &[]), 0.0);
 
-    // Sessions closed: the gauges go back to 0.
+    // Sessions closed: the gauges go back to 0, their idle server connections are kept.
+    assert_eq!(after.must(UPSTREAMS_IDLE, &[]), 0.0, "{}", after.text);
     drop((a, m, unfenced, b));
     eventually(
-        "the connection gauges back to 0",
+        "the connection gauges back to 0, four idle upstream connections",
         || {
             let e = scrape(metrics);
-            (e.must(CLIENTS, &[]) == 0.0 && e.must(UPSTREAMS, &[]) == 0.0).then_some(())
+            (e.must(CLIENTS, &[]) == 0.0
+                && e.must(UPSTREAMS, &[]) == 0.0
+                && e.must(UPSTREAMS_IDLE, &[]) == 4.0)
+                .then_some(())
         },
         || scrape(metrics).text,
     );
