@@ -132,6 +132,10 @@ pub struct Args {
     /// 0 skips it.
     #[arg(long, default_value_t = 200, help_heading = "What to measure")]
     pub idle_sessions: u32,
+    /// `pgfence --threads N` for every pgfence started [default: pgfence's own, the number
+    /// of CPUs].
+    #[arg(long, value_name = "N", help_heading = "What to measure")]
+    pub pgfence_threads: Option<usize>,
 
     /// The pgfence binary [default: target/release/pgfence of this workspace, built first
     /// with `cargo build --release -p pgfence`].
@@ -174,6 +178,9 @@ impl Args {
         }
         if self.max_jobs == 0 {
             return bad("--max-jobs must be at least 1");
+        }
+        if self.pgfence_threads == Some(0) {
+            return bad("--pgfence-threads must be at least 1");
         }
         if self.clients.contains(&0) {
             return bad("--clients: every client count must be at least 1");
@@ -263,6 +270,9 @@ impl Args {
         opt("warmup", self.warmup.to_string());
         opt("stale-duration", self.stale_secs().to_string());
         opt("idle-sessions", self.idle_sessions.to_string());
+        if let Some(n) = self.pgfence_threads {
+            opt("pgfence-threads", n.to_string());
+        }
         if self.skip_init {
             a.push("--skip-init".to_string());
         }

@@ -280,6 +280,9 @@ fn environment(args: &Args, stack: &Stack, db: &Db, load_start: String) -> Resul
             .map(|p| first_line(p, "--version")),
         pgfence_git: git,
         server,
+        pgfence_threads: args.pgfence_threads.unwrap_or_else(|| {
+            std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+        }),
     })
 }
 

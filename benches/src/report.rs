@@ -43,6 +43,8 @@ pub struct Environment {
     pub pgfence_git: Option<String>,
     /// "throwaway (settings ...)" or "--upstream HOST:PORT".
     pub server: String,
+    /// pgfence's worker threads.
+    pub pgfence_threads: usize,
 }
 
 /// A table: headers, rows, and which columns are numbers (right-aligned).
@@ -383,7 +385,7 @@ pub fn markdown(r: &Report) -> String {
     out.push_str(&format!(
         "- machine: {} CPUs, load average {} at the start and {} at the end; {}\n\
          - server: {} ({}); {}; {}\n\
-         - pgfence: {}\n\
+         - pgfence: {}, {} worker thread(s)\n\
          - pgbench scale {}, {} s per run, {} round(s) per configuration, interleaved\n\n",
         e.cpus,
         e.load_average_start,
@@ -394,6 +396,7 @@ pub fn markdown(r: &Report) -> String {
         e.pgbench,
         e.pgbouncer.as_deref().unwrap_or("PgBouncer not installed"),
         e.pgfence_git.as_deref().unwrap_or("unknown commit"),
+        e.pgfence_threads,
         r.scale,
         r.duration_secs,
         r.rounds,

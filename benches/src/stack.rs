@@ -171,6 +171,8 @@ pub struct Stack {
     pub pg_port: u16,
     pub owner: Option<ServerUser>,
     pub programs: Programs,
+    /// `--threads` for pgfence (`None`: its default).
+    pub pgfence_threads: Option<usize>,
     /// Declared last: removed after everything above stopped.
     work: TempDir,
 }
@@ -194,6 +196,7 @@ impl Stack {
             pg_port: 0,
             owner,
             programs,
+            pgfence_threads: args.pgfence_threads,
             work,
         };
         match &args.upstream {
@@ -313,6 +316,9 @@ impl Stack {
         }
         if !fence {
             cmd.arg("--no-fence");
+        }
+        if let Some(n) = self.pgfence_threads {
+            cmd.arg("--threads").arg(n.to_string());
         }
         if let Some(text) = config {
             let path = self.dir().join(format!("{name}.toml"));

@@ -40,8 +40,8 @@ struct Cli {
     /// Largest protocol message accepted, in bytes [default: 268435456].
     #[arg(long, env = "PGFENCE_MAX_MESSAGE_SIZE", global = true)]
     max_message_size: Option<u32>,
-    /// Worker threads running client sessions, each a single-threaded runtime [default: 1,
-    /// as PgBouncer; more helps where pgfence has cores that the database does not need].
+    /// Worker threads running client sessions, each a single-threaded runtime [default: the
+    /// number of CPUs pgfence may use; 1 behaves like PgBouncer's single thread].
     #[arg(long, env = "PGFENCE_THREADS", global = true)]
     threads: Option<usize>,
     /// Run as a plain proxy without the fence (for comparisons).
@@ -148,7 +148,9 @@ fn main() -> ExitCode {
             grant_to.as_deref(),
         )),
         None => {
-            let threads = cli.threads.unwrap_or(1);
+            let threads = cli.threads.unwrap_or_else(|| {
+                std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+            });
             runtime.block_on(serve(config, source, threads))
         }
     };
@@ -190,6 +192,7 @@ async fn serve(config: Config, source: Source, threads: usize) -> Result<(), Str
         upstream = %config.upstream,
         fence = config.fence.enabled,
         metrics = ?config.telemetry.metrics_addr,
+        threads,
         "pgfence started"
     );
     let shared = Arc::new(Shared::new(Arc::new(config)));
