@@ -25,6 +25,7 @@ pub enum Command {
     Fences,
     Rejections,
     Clients,
+    Servers,
     Stats,
     Config,
     Reload,
@@ -49,6 +50,7 @@ impl Command {
             ["SHOW", "FENCES"] => Command::Fences,
             ["SHOW", "REJECTIONS"] => Command::Rejections,
             ["SHOW", "CLIENTS"] => Command::Clients,
+            ["SHOW", "SERVERS"] => Command::Servers,
             ["SHOW", "STATS"] => Command::Stats,
             ["SHOW", "CONFIG"] => Command::Config,
             ["RELOAD"] => Command::Reload,
@@ -75,6 +77,10 @@ const HELP: &[(&str, &str)] = &[
         "the latest rejected transactions, newest first",
     ),
     ("SHOW CLIENTS", "connected client sessions"),
+    (
+        "SHOW SERVERS",
+        "idle server connections kept for the next client ([pool])",
+    ),
     ("SHOW STATS", "counters since pgfence started"),
     ("SHOW CONFIG", "the configuration in force"),
     (
@@ -178,6 +184,36 @@ pub fn answer(shared: &Shared, sql: &[u8], out: &mut BytesMut) -> Answer {
                     "application_name",
                     "backend_pid",
                     "connected_at",
+                ],
+                &rows,
+                "SHOW",
+            );
+        }
+        Command::Servers => {
+            let rows: Vec<Vec<String>> = shared
+                .pool
+                .list()
+                .into_iter()
+                .map(|s| {
+                    vec![
+                        s.info.backend_pid.to_string(),
+                        s.info.user,
+                        s.info.database,
+                        s.info.application_name,
+                        s.idle_for.as_secs().to_string(),
+                        s.age.as_secs().to_string(),
+                    ]
+                })
+                .collect();
+            table(
+                out,
+                &[
+                    "backend_pid",
+                    "user",
+                    "database",
+                    "application_name",
+                    "idle_seconds",
+                    "age_seconds",
                 ],
                 &rows,
                 "SHOW",

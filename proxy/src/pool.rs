@@ -50,21 +50,45 @@ impl LoginReply {
     }
 }
 
+/// Who a kept connection is logged in as (`SHOW SERVERS`).
+#[derive(Debug, Clone, Default)]
+pub struct ServerInfo {
+    pub user: String,
+    pub database: String,
+    pub application_name: String,
+    pub backend_pid: i32,
+}
+
+/// A kept connection as `SHOW SERVERS` lists it.
+#[derive(Debug, Clone)]
+pub struct IdleServer {
+    pub info: ServerInfo,
+    pub idle_for: Duration,
+    pub age: Duration,
+}
+
 /// An idle server connection.
 #[derive(Debug)]
 pub struct Parked {
     pub stream: std::net::TcpStream,
     pub login: LoginReply,
+    pub info: ServerInfo,
     /// When the connection was opened (for `server_lifetime`).
     pub born: Instant,
     parked_at: Instant,
 }
 
 impl Parked {
-    pub fn new(stream: std::net::TcpStream, login: LoginReply, born: Instant) -> Parked {
+    pub fn new(
+        stream: std::net::TcpStream,
+        login: LoginReply,
+        info: ServerInfo,
+        born: Instant,
+    ) -> Parked {
         Parked {
             stream,
             login,
+            info,
             born,
             parked_at: Instant::now(),
         }
@@ -201,6 +225,23 @@ impl ServerPool {
         for parked in all {
             close(parked, "pool cleared");
         }
+    }
+
+    /// The kept connections, by backend pid.
+    pub fn list(&self) -> Vec<IdleServer> {
+        let now = Instant::now();
+        let idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let mut all: Vec<IdleServer> = idle
+            .values()
+            .flatten()
+            .map(|p| IdleServer {
+                info: p.info.clone(),
+                idle_for: now.duration_since(p.parked_at),
+                age: now.duration_since(p.born),
+            })
+            .collect();
+        all.sort_by_key(|s| s.info.backend_pid);
+        all
     }
 
     /// How many idle connections are kept.

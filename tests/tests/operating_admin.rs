@@ -3,7 +3,7 @@
 //!
 //! - [`psql_runs_every_command`]: psql `-c` (aligned, unaligned, `-x`) and a script with
 //!   `\x on`: SHOW HELP, SHOW FENCES (the rows of `SELECT * FROM pgfence.fences`), SHOW
-//!   REJECTIONS, SHOW CLIENTS, SHOW STATS, SHOW CONFIG, RELOAD.
+//!   REJECTIONS, SHOW CLIENTS, SHOW SERVERS, SHOW STATS, SHOW CONFIG, RELOAD.
 //! - [`simple_query_columns_and_content`]: each command's exact columns and plausible content
 //!   after known traffic (two rejections newest first, an open session with its
 //!   application_name, counters), case-insensitive commands; an unknown command and the
@@ -153,6 +153,7 @@ async fn psql_runs_every_command() {
         "SHOW FENCES",
         "SHOW REJECTIONS",
         "SHOW CLIENTS",
+        "SHOW SERVERS",
         "SHOW STATS",
         "SHOW CONFIG",
         "RELOAD",
@@ -160,7 +161,7 @@ async fn psql_runs_every_command() {
     ] {
         assert!(help.contains(command), "{command} missing from:\n{help}");
     }
-    assert!(help.contains("(7 rows)"), "{help}");
+    assert!(help.contains("(8 rows)"), "{help}");
 
     // SHOW FENCES is the fences table of the console database.
     let fences = psql(&proxy, &["-At", "-c", "SHOW FENCES"]);
@@ -487,6 +488,7 @@ async fn simple_query_columns_and_content() {
             "SHOW FENCES",
             "SHOW REJECTIONS",
             "SHOW CLIENTS",
+            "SHOW SERVERS",
             "SHOW STATS",
             "SHOW CONFIG",
             "RELOAD",
@@ -503,7 +505,7 @@ async fn simple_query_columns_and_content() {
     let db = err.as_db_error().expect("a server error");
     assert_eq!(db.code().code(), "42601", "{db:?}");
     assert!(db.message().contains("SHOW HELP"), "{db:?}");
-    assert_eq!(show(&admin, "SHOW HELP").await.rows.len(), 7);
+    assert_eq!(show(&admin, "SHOW HELP").await.rows.len(), 8);
     // So is the extended protocol, with an error that says why.
     let err = admin
         .query("SHOW HELP", &[])
@@ -563,7 +565,7 @@ async fn only_admin_users_get_in() {
     let admin = try_connect_to(&proxy.connstr_as(CONSOLE, MD5_USER, Some(MD5_PASSWORD)))
         .await
         .expect("md5user with its password");
-    assert_eq!(show(&admin, "SHOW HELP").await.rows.len(), 7);
+    assert_eq!(show(&admin, "SHOW HELP").await.rows.len(), 8);
 
     // Refused logins are the client's doing, not upstream errors, once their sessions ended.
     let mut stats = BTreeMap::new();

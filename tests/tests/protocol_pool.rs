@@ -115,6 +115,29 @@ async fn idle_server_is_reset_and_reused() {
         .unwrap();
     drop(first);
     wait_idle_servers(&proxy, 1).await;
+    // SHOW SERVERS lists it: backend pid, user, database, application name at login.
+    let console = connect_to(&proxy.connstr("pgfence")).await;
+    let rows: Vec<Vec<String>> = console
+        .simple_query("SHOW SERVERS")
+        .await
+        .unwrap()
+        .into_iter()
+        .filter_map(|m| match m {
+            SimpleQueryMessage::Row(r) => {
+                Some((0..4).map(|i| r.get(i).unwrap().to_string()).collect())
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        rows,
+        [[
+            pid.to_string(),
+            "postgres".into(),
+            APP_DB.into(),
+            String::new()
+        ]]
+    );
 
     let second = proxy.connect(APP_DB).await;
     assert_eq!(

@@ -31,7 +31,7 @@ use tracing::{debug, info_span, warn, Instrument};
 
 use crate::cancel;
 use crate::error::SessionError;
-use crate::pool::{LoginReply, Parked, PoolKey};
+use crate::pool::{LoginReply, Parked, PoolKey, ServerInfo};
 use crate::protocol::next_frame;
 use crate::protocol::startup::Startup;
 use crate::state::Shared;
@@ -636,10 +636,18 @@ impl Session {
                 Ok(Ok(())) => {
                     if let Ok(stream) = server.into_std() {
                         let login = std::mem::take(&mut self.login);
+                        let info = ServerInfo {
+                            user: self.user.clone(),
+                            database: self.database.clone(),
+                            application_name: self.application_name.clone(),
+                            backend_pid: self.backend_pid,
+                        };
                         let config = self.shared.config();
-                        self.shared
-                            .pool
-                            .put(key, Parked::new(stream, login, born), &config.pool);
+                        self.shared.pool.put(
+                            key,
+                            Parked::new(stream, login, info, born),
+                            &config.pool,
+                        );
                     }
                     return;
                 }
