@@ -214,17 +214,20 @@ impl ServerPool {
         }
     }
 
-    /// Closes every idle connection (shutdown, or pooling turned off by a reload).
-    pub fn clear(&self) {
+    /// Closes every idle connection (shutdown, pooling turned off by a reload, a server out
+    /// of connection slots); returns how many.
+    pub fn clear(&self) -> usize {
         let all: Vec<Parked> = {
             let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
             let all = idle.drain().flat_map(|(_, list)| list).collect();
             self.count(&idle);
             all
         };
+        let n = all.len();
         for parked in all {
             close(parked, "pool cleared");
         }
+        n
     }
 
     /// The kept connections, by backend pid.

@@ -11,6 +11,8 @@
 //!   closes the server connection; a Terminate right after a query keeps it.
 //! - [`server_gone_while_idle_is_replaced`]: a kept backend terminated on the server is not
 //!   handed out.
+//! - [`server_out_of_slots_frees_kept_connections`]: a login the server refuses for lack of
+//!   connection slots (53300) closes the kept connections, so the client's next try gets in.
 //! - [`reuse_off_and_idle_timeout`]: `reuse_servers = false` keeps nothing;
 //!   `server_idle_timeout` closes kept connections.
 
@@ -328,6 +330,37 @@ async fn server_gone_while_idle_is_replaced() {
     assert_ne!(backend_pid(&second).await, pid);
     assert_eq!(stat(&proxy, "servers_reused").await, 0);
     assert_eq!(stat(&proxy, "servers_idle").await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_out_of_slots_frees_kept_connections() {
+    let cluster = PgCluster::builder()
+        .setting("max_connections", "5")
+        .setting("superuser_reserved_connections", "0")
+        .start();
+    let proxy = proxy_with(&cluster, |_| {});
+    let named = |name: &str| format!("{} application_name={name}", proxy.connstr(APP_DB));
+    // Four sessions that cannot share a kept connection (different startup packets) end:
+    // four of the five slots are held by idle connections pgfence keeps.
+    let mut open = Vec::new();
+    for i in 0..4 {
+        open.push(connect_to(&named(&format!("kept{i}"))).await);
+    }
+    drop(open);
+    wait_idle_servers(&proxy, 4).await;
+
+    let fifth = connect_to(&named("fifth")).await;
+    let refused = try_connect_to(&named("sixth")).await;
+    assert_eq!(
+        harness::fence::sqlstate(&refused).as_deref(),
+        Some("53300"),
+        "{refused:?}"
+    );
+    // The refusal closed the kept connections: the next try gets in.
+    let sixth = try_connect_to(&named("sixth")).await.unwrap();
+    assert!(backend_pid(&sixth).await > 0);
+    assert_eq!(stat(&proxy, "servers_idle").await, 0);
+    drop((fifth, sixth));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -580,6 +580,18 @@ impl Session {
                     let client_caused = self.phase == Phase::Auth
                         && (fields.code.starts_with(b"28") || fields.code == b"3D000");
                     self.server_fatal = Some(!client_caused);
+                    if self.phase == Phase::Auth && fields.code == b"53300" {
+                        // The server is out of connection slots, perhaps held by kept idle
+                        // connections: free them, so that the client's next try gets in.
+                        let closed = self.shared.pool.clear();
+                        if closed > 0 {
+                            warn!(
+                                closed,
+                                "the server refused a login for lack of connection slots: \
+                                 closed the idle server connections pgfence kept"
+                            );
+                        }
+                    }
                 }
             }
             match self.phase {
