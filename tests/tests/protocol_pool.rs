@@ -2,8 +2,8 @@
 //!
 //! - [`idle_server_is_reset_and_reused`]: a client that leaves with its server session idle
 //!   hands the backend to the next client with the same startup packet; everything the first
-//!   left behind (settings, prepared statements, temporary tables, LISTEN, advisory locks)
-//!   is gone; writes, the fence and cancel work on the reused connection.
+//!   left behind (settings, its fencing token, prepared statements, temporary tables, LISTEN,
+//!   advisory locks) is gone; writes, the fence and cancel work on the reused connection.
 //! - [`only_clean_identical_passwordless_logins_are_reused`]: a session that ends inside a
 //!   transaction, a different startup packet, and a login the server asked a password for
 //!   never get (or give) a kept connection: a wrong password is still refused.
@@ -110,6 +110,7 @@ async fn idle_server_is_reset_and_reused() {
     first
         .batch_execute(
             "SET application_name = 'first'; SET work_mem = '7MB'; \
+             SET fencing.resource = 'leak'; SET fencing.token = '99'; \
              PREPARE leftover AS SELECT 1; CREATE TEMP TABLE scratch (x int); \
              LISTEN somewhere; SELECT pg_advisory_lock(42)",
         )
@@ -155,7 +156,9 @@ async fn idle_server_is_reset_and_reused() {
              to_regclass('pg_temp.scratch') IS NULL, \
              (SELECT count(*) FROM pg_listening_channels()), \
              (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' \
-                AND pid = pg_backend_pid())",
+                AND pid = pg_backend_pid()), \
+             coalesce(current_setting('fencing.resource', true), '') \
+                || coalesce(current_setting('fencing.token', true), '')",
             &[],
         )
         .await
@@ -166,6 +169,12 @@ async fn idle_server_is_reset_and_reused() {
     assert!(row.get::<_, bool>(3), "temporary table dropped");
     assert_eq!(row.get::<_, i64>(4), 0, "LISTEN undone");
     assert_eq!(row.get::<_, i64>(5), 0, "advisory lock released");
+    // Above all, the first client's fencing token does not carry over.
+    assert_eq!(
+        row.get::<_, String>(6),
+        "",
+        "fencing.resource and fencing.token reset"
+    );
 
     // Writes and the fence work on the reused connection (pgfence's own prepared check was
     // deallocated by the reset and is prepared again).
