@@ -111,7 +111,7 @@ impl Parked {
 /// Ends a parked server session politely (Terminate), without waiting.
 fn close(parked: Parked, why: &'static str) {
     let mut stream = parked.stream;
-    let _ = stream.write(&[b'X', 0, 0, 0, 4]);
+    let _ = stream.write(&crate::protocol::message::TERMINATE);
     debug!(why, "closed an idle server connection");
 }
 

@@ -279,6 +279,9 @@ pub fn error_response(out: &mut BytesMut, e: &ErrorMessage<'_>) {
     });
 }
 
+/// Terminate (`X`), the whole message: how a client ends its session.
+pub const TERMINATE: [u8; 5] = [b'X', 0, 0, 0, 4];
+
 /// Appends a ReadyForQuery with the given transaction status.
 pub fn ready_for_query(out: &mut BytesMut, status: u8) {
     write_message(out, b'Z', |o| o.put_u8(status));

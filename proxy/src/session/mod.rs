@@ -667,8 +667,8 @@ impl Session {
                 Err(_) => debug!("server reset timed out: closing the connection"),
             }
         }
-        let terminate = [b'X', 0, 0, 0, 4];
-        let _ = tokio::time::timeout(FAIL_WRITE_TIMEOUT, server.write_all(&terminate)).await;
+        let terminate = &crate::protocol::message::TERMINATE;
+        let _ = tokio::time::timeout(FAIL_WRITE_TIMEOUT, server.write_all(terminate)).await;
     }
 
     /// `DISCARD ALL` (PgBouncer's `server_reset_query`): drops what the session left
