@@ -8,11 +8,21 @@ use harness::PgCluster;
 
 const CHECK: &str = "SELECT pgfence.check('{}', '{}', 'billing', '{}', 'hint-test', false)";
 
+/// What the proxy sends for a session without a configured default resource.
+const CHECK_NO_DEFAULT: &str = "SELECT pgfence.check('{}', '{}', NULL, '{}', 'hint-test', false)";
+
 async fn write_and_check(client: &tokio_postgres::Client) -> Result<(), tokio_postgres::Error> {
+    write_and_check_with(client, CHECK).await
+}
+
+async fn write_and_check_with(
+    client: &tokio_postgres::Client,
+    check: &str,
+) -> Result<(), tokio_postgres::Error> {
     client
-        .batch_execute("BEGIN; INSERT INTO w VALUES (1)")
+        .batch_execute("BEGIN; INSERT INTO public.w VALUES (1)")
         .await?;
-    let checked = client.query_one(CHECK, &[]).await;
+    let checked = client.query_one(check, &[]).await;
     match checked {
         Ok(_) => client.batch_execute("COMMIT").await,
         Err(e) => {
@@ -102,4 +112,94 @@ async fn the_accepted_hint_never_lets_a_wrong_token_commit() {
         rows, 5,
         "5, 5, 5, 6 and 9 committed; the stale and forged writes did not"
     );
+}
+
+/// `pgfence.check` and its hot path run with the caller's rights and search_path (neither is
+/// SECURITY DEFINER: that costs on every call). A client that puts its own `=`, `<>` and
+/// `||` operators ahead of pg_catalog's must still be rejected when its token is stale.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_clients_search_path_cannot_change_the_check() {
+    let cluster = PgCluster::start();
+    let admin = cluster.connect("postgres").await;
+    admin
+        .batch_execute("CREATE DATABASE hijack")
+        .await
+        .expect("create database");
+    let setup = cluster.connect("hijack").await;
+    setup
+        .batch_execute(&install_sql(None))
+        .await
+        .expect("install schema");
+    setup
+        .batch_execute(
+            "CREATE TABLE w (x int);
+             CREATE SCHEMA evil;
+             CREATE FUNCTION evil.yes(text, text) RETURNS boolean LANGUAGE sql IMMUTABLE AS 'SELECT true';
+             CREATE FUNCTION evil.yes(int, int) RETURNS boolean LANGUAGE sql IMMUTABLE AS 'SELECT true';
+             CREATE FUNCTION evil.no(int, int) RETURNS boolean LANGUAGE sql IMMUTABLE AS 'SELECT false';
+             CREATE FUNCTION evil.cat(text, text) RETURNS text LANGUAGE sql IMMUTABLE AS 'SELECT ''billing=5''';
+             CREATE OPERATOR evil.= (LEFTARG = text, RIGHTARG = text, FUNCTION = evil.yes);
+             CREATE OPERATOR evil.= (LEFTARG = int, RIGHTARG = int, FUNCTION = evil.yes);
+             CREATE OPERATOR evil.<> (LEFTARG = int, RIGHTARG = int, FUNCTION = evil.no);
+             CREATE OPERATOR evil.|| (LEFTARG = text, RIGHTARG = text, FUNCTION = evil.cat);",
+        )
+        .await
+        .expect("create the hijacking operators");
+
+    // The leader with 6 writes; the deposed one (5) was accepted before it, so its backend
+    // holds the hint `billing=5` and takes the hot path.
+    let old = cluster.connect("hijack").await;
+    old.batch_execute("SET fencing.token = 5")
+        .await
+        .expect("set token");
+    write_and_check(&old).await.expect("first write with 5");
+    write_and_check(&old).await.expect("hinted write with 5");
+    let new = cluster.connect("hijack").await;
+    new.batch_execute("SET fencing.token = 6")
+        .await
+        .expect("set token");
+    write_and_check(&new).await.expect("write with 6");
+
+    old.batch_execute("SET search_path = evil, pg_catalog, public")
+        .await
+        .expect("hijack the search path");
+    let ok: bool = old
+        .query_one("SELECT 1 = 2 AND 'a' = 'b'", &[])
+        .await
+        .expect("query with the evil operators")
+        .get(0);
+    assert!(ok, "the evil operators are in effect for this session");
+    // Each case: (settings, check, the rejection expected whatever the search path).
+    // With the configured default resource the proxy passes, the stale token; without one,
+    // the session's own resource and token, then a resource without a token and a token
+    // without a resource: none of them may look like an unfenced session to an evil `=`.
+    let cases = [
+        ("SET fencing.token = 5", CHECK, "FN001"),
+        (
+            "SET fencing.resource = 'billing'",
+            CHECK_NO_DEFAULT,
+            "FN001",
+        ),
+        ("RESET fencing.token", CHECK_NO_DEFAULT, "FN002"),
+        (
+            "RESET fencing.resource; SET fencing.token = 7",
+            CHECK_NO_DEFAULT,
+            "FN003",
+        ),
+    ];
+    for (settings, check, code) in cases {
+        old.batch_execute(settings).await.expect(settings);
+        let err = write_and_check_with(&old, check).await.expect_err(settings);
+        assert_eq!(
+            err.code().map(|c| c.code()),
+            Some(code),
+            "{settings}: {err}"
+        );
+    }
+    let rows: i64 = setup
+        .query_one("SELECT count(*) FROM public.w", &[])
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(rows, 3, "5, 5 and 6 committed; the hijacked writes did not");
 }

@@ -219,26 +219,9 @@ BEGIN
        AND pg_catalog.pg_current_xact_id_if_assigned() IS NULL THEN
         RETURN NULL;
     END IF;
-    -- The hot path: READ COMMITTED, no comment directives, and this backend accepted this
-    -- very resource=token before (the `pgfence.accepted` hint, set below; a client can
-    -- forge it, so it only chooses the lock: acceptance needs the fence read under the lock
-    -- to equal the token, compared as text, so a forged or unusual value just falls through
-    -- to the checks below, which hold the same shared lock). Written as few PL/pgSQL
-    -- expressions as possible: each one is compiled again in every transaction.
     v_r0 := coalesce(nullif(pg_catalog.current_setting('fencing.resource', true), ''),
                      p_default_resource);
     v_t_s := nullif(pg_catalog.current_setting('fencing.token', true), '');
-    IF __PGFENCE_ACCEPT_ADVISORY__
-       AND coalesce(pg_catalog.cardinality(p_resources), 0) = 0
-       AND coalesce(pg_catalog.cardinality(p_tokens), 0) = 0
-       AND pg_catalog.current_setting('pgfence.accepted', true) = v_r0 || '=' || v_t_s
-       AND pg_catalog.current_setting('transaction_isolation') = 'read committed' THEN
-        PERFORM pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtextextended(v_r0, 31638886877651813));
-        SELECT f.token INTO v_locked FROM pgfence.fences AS f WHERE f.resource = v_r0;
-        IF v_locked::text = v_t_s THEN
-            RETURN v_r0 || '=' || v_t_s;
-        END IF;
-    END IF;
 
     -- Advisory accept locks need each statement's fresh snapshot: READ COMMITTED only.
     v_adv := __PGFENCE_ACCEPT_ADVISORY__
@@ -458,11 +441,26 @@ BEGIN
 END
 $check$;
 
--- The entry point the proxy calls at every commit. Deliberately neither SECURITY DEFINER
--- nor SET search_path (both cost on every call): it only decides whether there is anything
--- to check, with every name schema-qualified, and hands over to pgfence.check_write, which
--- is SECURITY DEFINER and does all reading and locking. Skipping it through search_path
--- tricks is impossible: it calls only pg_catalog and pgfence objects by qualified name.
+-- The entry point the proxy calls at every commit, with the hot path of a fenced session.
+-- Neither SECURITY DEFINER nor SET search_path (together they cost about a tenth of a
+-- fenced check): every name is schema-qualified, every operator spelled
+-- OPERATOR(pg_catalog.x) and every type pg_catalog's, so a client's search_path cannot
+-- change what it calls. pgfence.check_write (SECURITY DEFINER) holds all writing and every
+-- other locking path.
+--
+-- The hot path: no comment directives, READ COMMITTED accept locks
+-- (schema_version.accept_lock = 'advisory'), and this backend accepted this very
+-- resource=token before (the `pgfence.accepted` hint, set by check_write). A client can
+-- forge the hint, so it only chooses the lock: acceptance needs the fence read under the
+-- shared advisory lock to equal the token, compared as text; anything else (a forged
+-- hint, a stale or newer token, leading zeros) falls through to check_write, which takes
+-- the same shared lock again (a no-op) or rejects. It only reads pgfence.fences, which the
+-- grantee may read, and takes the advisory lock: nothing here needs the owner's rights.
+-- An empty fencing.resource never matches a hint (check_write records non-empty resources
+-- only), so it falls through to check_write's handling of the default resource.
+-- Written as few PL/pgSQL expressions as possible: each one is compiled again in every
+-- transaction. (Not a LANGUAGE sql function: inlining one into the proxy's simple-query
+-- rewrite re-parses its body on every call, which costs more than the call it saves.)
 CREATE OR REPLACE FUNCTION pgfence.check(
     p_resources      text[],
     p_tokens         text[],
@@ -474,6 +472,10 @@ RETURNS text
 LANGUAGE plpgsql
 VOLATILE
 AS $entry$
+DECLARE
+    v_r0     pg_catalog.text;   -- the session's effective resource
+    v_t_s    pg_catalog.text;   -- fencing.token of the session, as set
+    v_locked pg_catalog.int8;   -- the fence, read under the shared advisory lock
 BEGIN
     IF NOT coalesce(p_force, false)
        AND pg_catalog.pg_current_xact_id_if_assigned() IS NULL THEN
@@ -490,6 +492,20 @@ BEGIN
         -- An unfenced session: no resource and no token anywhere.
         RETURN NULL;
     END IF;
+    v_r0 := coalesce(pg_catalog.current_setting('fencing.resource', true), p_default_resource);
+    v_t_s := pg_catalog.current_setting('fencing.token', true);
+    IF __PGFENCE_ACCEPT_ADVISORY__
+       AND coalesce(pg_catalog.cardinality(p_resources), 0) OPERATOR(pg_catalog.=) 0
+       AND coalesce(pg_catalog.cardinality(p_tokens), 0) OPERATOR(pg_catalog.=) 0
+       AND pg_catalog.current_setting('pgfence.accepted', true)
+           OPERATOR(pg_catalog.=) (v_r0 OPERATOR(pg_catalog.||) '=' OPERATOR(pg_catalog.||) v_t_s)
+       AND pg_catalog.current_setting('transaction_isolation') OPERATOR(pg_catalog.=) 'read committed' THEN
+        PERFORM pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtextextended(v_r0, 31638886877651813));
+        SELECT f.token INTO v_locked FROM pgfence.fences AS f WHERE f.resource OPERATOR(pg_catalog.=) v_r0;
+        IF v_locked::pg_catalog.text OPERATOR(pg_catalog.=) v_t_s THEN
+            RETURN v_r0 OPERATOR(pg_catalog.||) '=' OPERATOR(pg_catalog.||) v_t_s;
+        END IF;
+    END IF;
     RETURN pgfence.check_write(p_resources, p_tokens, p_default_resource, p_allow_missing,
                                p_client, p_force);
 END
@@ -500,6 +516,7 @@ COMMENT ON FUNCTION pgfence.check_write(text[], text[], text, text[], text, bool
 
 COMMENT ON FUNCTION pgfence.check(text[], text[], text, text[], text, boolean) IS
     'Checks the fencing tokens of the calling transaction right before it commits; returns the accepted resource=token pairs.';
+
 
 -- The proxy's fast path sends this instead of a statement known to be stale, so the server
 -- transaction fails exactly as the client is told. It never accepts anything.
