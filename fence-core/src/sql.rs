@@ -27,6 +27,19 @@ const INSTALL_TEMPLATE: &str = include_str!("sql/install.sql");
 pub const CHECK_SQL: &str =
     "SELECT pgfence.check($1::text[], $2::text[], $3::text, $4::text[], $5::text, $6::boolean)";
 
+/// [`CHECK_SQL`] behind a guard that answers NULL without calling `pgfence.check` when the
+/// session is unfenced: no comment directives, no default resource, and neither
+/// `fencing.resource` nor `fencing.token` ever set in the server session (the very case in
+/// which `pgfence.check` itself returns NULL). PostgreSQL evaluates it, from its own
+/// settings, inside the transaction; it saves the PL/pgSQL call, about a third of an
+/// unfenced check's server time, and costs a fenced one a little more (docs/fence-locking.md),
+/// so the proxy sends it only while a session looks unfenced. Same parameters.
+pub const GUARDED_CHECK_SQL: &str = "SELECT CASE WHEN $1::text[] IS NULL AND $2::text[] IS NULL \
+     AND $3::text IS NULL \
+     AND pg_catalog.current_setting('fencing.resource', true) IS NULL \
+     AND pg_catalog.current_setting('fencing.token', true) IS NULL THEN NULL \
+     ELSE pgfence.check($1::text[], $2::text[], $3::text, $4::text[], $5::text, $6::boolean) END";
+
 /// Everything `pgfence.check` needs to know about one transaction.
 #[derive(Debug, Clone, Copy)]
 pub struct CheckArgs<'a> {
@@ -95,18 +108,24 @@ pub fn install_sql_with(grant_role: Option<&str>, accept: AcceptLock) -> String 
         )
 }
 
-/// The six text-format Bind parameter values for [`CHECK_SQL`] (`None` is SQL NULL).
+/// The six text-format Bind parameter values for [`CHECK_SQL`] (`None` is SQL NULL). No
+/// comment directives: both arrays are NULL (what [`GUARDED_CHECK_SQL`] looks for).
 pub fn check_params(args: &CheckArgs) -> [Option<Vec<u8>>; 6] {
-    let mut resources = Vec::new();
-    array_literal(
-        args.directives.iter().map(|d| d.resource.as_deref()),
-        &mut resources,
-    );
-    let mut tokens = Vec::new();
-    array_literal(
-        args.directives.iter().map(|d| d.token.as_deref()),
-        &mut tokens,
-    );
+    let (resources, tokens) = if args.directives.is_empty() {
+        (None, None)
+    } else {
+        let mut resources = Vec::new();
+        array_literal(
+            args.directives.iter().map(|d| d.resource.as_deref()),
+            &mut resources,
+        );
+        let mut tokens = Vec::new();
+        array_literal(
+            args.directives.iter().map(|d| d.token.as_deref()),
+            &mut tokens,
+        );
+        (Some(resources), Some(tokens))
+    };
     let mut allow = Vec::new();
     array_literal(
         args.allow_missing.iter().map(|r| Some(r.as_bytes())),
@@ -125,8 +144,8 @@ pub fn check_params(args: &CheckArgs) -> [Option<Vec<u8>>; 6] {
         b"f".to_vec()
     };
     [
-        Some(resources),
-        Some(tokens),
+        resources,
+        tokens,
         default_resource,
         Some(allow),
         Some(client),
@@ -136,19 +155,21 @@ pub fn check_params(args: &CheckArgs) -> [Option<Vec<u8>>; 6] {
 
 /// Appends `SELECT pgfence.check(...)` with the arguments as literals, for the simple query
 /// protocol. Uses `E''` strings, so it means the same whether `standard_conforming_strings`
-/// is on or off.
+/// is on or off. The literals are untyped: `pgfence.check` has one signature, and casts
+/// cost the server about 21,000 instructions of parse analysis on every call
+/// (docs/fence-locking.md).
 pub fn check_call_literal(args: &CheckArgs, out: &mut Vec<u8>) {
     let [resources, tokens, default_resource, allow, client, _] = check_params(args);
     out.extend_from_slice(b"SELECT pgfence.check(");
-    push_literal(resources.as_deref(), b"text[]", out);
+    push_literal(resources.as_deref(), out);
     out.extend_from_slice(b", ");
-    push_literal(tokens.as_deref(), b"text[]", out);
+    push_literal(tokens.as_deref(), out);
     out.extend_from_slice(b", ");
-    push_literal(default_resource.as_deref(), b"text", out);
+    push_literal(default_resource.as_deref(), out);
     out.extend_from_slice(b", ");
-    push_literal(allow.as_deref(), b"text[]", out);
+    push_literal(allow.as_deref(), out);
     out.extend_from_slice(b", ");
-    push_literal(client.as_deref(), b"text", out);
+    push_literal(client.as_deref(), out);
     out.extend_from_slice(if args.force { b", true)" } else { b", false)" });
 }
 
@@ -159,7 +180,8 @@ pub fn fast_reject_literal(resource: &str, token: i64, known_fence: i64, out: &m
     let mut r = Vec::with_capacity(resource.len());
     push_sanitized(resource.as_bytes(), &mut r);
     out.extend_from_slice(b"SELECT pgfence.fast_reject(");
-    push_literal(Some(&r), b"text", out);
+    push_literal(Some(&r), out);
+    out.extend_from_slice(b"::text");
     // Quoted, so that even i64::MIN needs no unary minus applied to an out-of-range literal.
     out.extend_from_slice(format!(", '{token}'::bigint, '{known_fence}'::bigint)").as_bytes());
 }
@@ -231,8 +253,8 @@ fn array_literal<'a>(elements: impl Iterator<Item = Option<&'a [u8]>>, out: &mut
     out.push(b'}');
 }
 
-/// `E'...'::type` (or `NULL::type`) for already-sanitized printable ASCII.
-fn push_literal(value: Option<&[u8]>, ty: &[u8], out: &mut Vec<u8>) {
+/// `E'...'` (or `NULL`) for already-sanitized printable ASCII, untyped.
+fn push_literal(value: Option<&[u8]>, out: &mut Vec<u8>) {
     match value {
         None => out.extend_from_slice(b"NULL"),
         Some(bytes) => {
@@ -247,8 +269,6 @@ fn push_literal(value: Option<&[u8]>, ty: &[u8], out: &mut Vec<u8>) {
             out.push(b'\'');
         }
     }
-    out.extend_from_slice(b"::");
-    out.extend_from_slice(ty);
 }
 
 #[cfg(test)]
@@ -329,8 +349,8 @@ mod tests {
             force: true,
         };
         let p = check_params(&args);
-        assert_eq!(text(&p[0]), Some("{}"));
-        assert_eq!(text(&p[1]), Some("{}"));
+        assert_eq!(p[0], None);
+        assert_eq!(p[1], None);
         assert_eq!(p[2], None);
         assert_eq!(text(&p[3]), Some("{}"));
         assert_eq!(text(&p[5]), Some("t"));
@@ -372,9 +392,9 @@ mod tests {
         assert_eq!(
             std::str::from_utf8(&out).unwrap(),
             concat!(
-                r#"prefix; SELECT pgfence.check(E'{"billing","it''s\\\\",NULL}'::text[], "#,
-                r#"E'{"34",NULL,"??''"}'::text[], NULL::text, E'{"o''k"}'::text[], "#,
-                r#"E'127.0.0.1\\x'::text, false)"#
+                r#"prefix; SELECT pgfence.check(E'{"billing","it''s\\\\",NULL}', "#,
+                r#"E'{"34",NULL,"??''"}', NULL, E'{"o''k"}', "#,
+                r#"E'127.0.0.1\\x', false)"#
             )
         );
     }
@@ -392,8 +412,7 @@ mod tests {
         check_call_literal(&args, &mut out);
         assert_eq!(
             std::str::from_utf8(&out).unwrap(),
-            "SELECT pgfence.check(E'{}'::text[], E'{}'::text[], E'billing'::text, \
-             E'{}'::text[], E'c'::text, true)"
+            "SELECT pgfence.check(NULL, NULL, E'billing', E'{}', E'c', true)"
         );
     }
 

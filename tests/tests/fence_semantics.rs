@@ -1021,3 +1021,62 @@ async fn non_transactional_statements_are_prechecked() {
     assert_eq!(fx.count("nt WHERE tag LIKE 'c%'").await, 2);
     assert_eq!(fx.count("pg_class WHERE relname = 'nt_current'").await, 1);
 }
+
+/// A session that starts without any fencing setting gets the guarded check
+/// (`GUARDED_CHECK_SQL`), which skips `pgfence.check` while the server session has no
+/// fencing settings. Settings made where pgfence cannot see them (`set_config()` inside a
+/// query) are the server's to read: a stale token set that way is still rejected, in both
+/// protocols, and a session that drops them again is unfenced again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unfenced_looking_session_is_still_checked_by_the_server() {
+    let fx = Fixture::start("CREATE TABLE ug (tag text);", |_| {}).await;
+    let r = "guarded";
+    fx.leader(r, 20)
+        .await
+        .simple("INSERT INTO ug VALUES ('leader 20')")
+        .await
+        .unwrap();
+    let mut s = fx.session(SUPERUSER, None).await;
+    for protocol in PROTOCOLS {
+        s.run(protocol, &["INSERT INTO ug VALUES ('unfenced')"])
+            .await
+            .expect("an unfenced write commits");
+    }
+    let hidden = format!(
+        "SELECT set_config('fencing.resource', '{r}', false), set_config('fencing.token', '19', false)"
+    );
+    s.client.query(hidden.as_str(), &[]).await.unwrap();
+    for protocol in PROTOCOLS {
+        s.expect_rejection(
+            protocol,
+            &["INSERT INTO ug VALUES ('hidden 19')"],
+            &stale(r, 19, 20),
+            "a token set by set_config() in a query",
+        )
+        .await;
+        s.expect_rejection(
+            protocol,
+            &[
+                "BEGIN",
+                "INSERT INTO ug VALUES ('hidden 19 in a block')",
+                "COMMIT",
+            ],
+            &stale(r, 19, 20),
+            "a token set by set_config() in a query, explicit transaction",
+        )
+        .await;
+    }
+    s.client
+        .query("SELECT set_config('fencing.token', '21', false)", &[])
+        .await
+        .unwrap();
+    s.run(Protocol::Extended, &["INSERT INTO ug VALUES ('hidden 21')"])
+        .await
+        .expect("a newer token set by set_config() advances the fence");
+    assert_eq!(fx.fence(r).await, Some(21));
+    assert_eq!(fx.count("ug WHERE tag LIKE 'hidden 19%'").await, 0);
+    assert_eq!(
+        fx.count("ug WHERE tag IN ('unfenced', 'hidden 21')").await,
+        3
+    );
+}

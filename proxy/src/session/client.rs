@@ -164,8 +164,7 @@ impl Session {
             .iter()
             .any(|s| s.kind == StatementKind::Discard)
         {
-            self.fence.check_prepared = false;
-            self.fence.fast_reject_prepared = false;
+            self.fence.forget_prepared();
         }
         if !self.fence.enabled {
             if analysis.tx_control() {
@@ -451,8 +450,7 @@ impl Session {
             self.last_sql = Some(p.clone());
         }
         if kind == StatementKind::Discard {
-            self.fence.check_prepared = false;
-            self.fence.fast_reject_prepared = false;
+            self.fence.forget_prepared();
         }
         if !self.fence.enabled {
             if matches!(

@@ -34,6 +34,7 @@ const UNSAFE_ENCODINGS: &[&str] = &[
 
 /// pgfence's own prepared statement and portal names on the upstream connection.
 pub const CHECK_NAME: &[u8] = b"pgfence_check";
+pub const GUARDED_CHECK_NAME: &[u8] = b"pgfence_check_guarded";
 pub const FAST_REJECT_NAME: &[u8] = b"pgfence_fast_reject";
 const FAST_REJECT_SQL: &[u8] = b"SELECT pgfence.fast_reject($1::text, $2::bigint, $3::bigint)";
 
@@ -51,7 +52,12 @@ pub struct FenceSettings {
     pub session_token: Option<Token>,
     /// pgfence's statements exist on the upstream connection.
     pub check_prepared: bool,
+    pub guarded_check_prepared: bool,
     pub fast_reject_prepared: bool,
+    /// The session has shown signs of being fenced (fencing settings at startup, a default
+    /// resource, or its last check accepted a token): its checks skip the guard of
+    /// [`sql::GUARDED_CHECK_SQL`], which would only cost them. Either statement is correct.
+    pub looks_fenced: bool,
 }
 
 impl FenceSettings {
@@ -78,6 +84,11 @@ impl FenceSettings {
         if let Some(options) = startup.param("options") {
             settings.extend(options_settings(options));
         }
+        let default_resource = config
+            .fence
+            .default_resource(database, user)
+            .map(str::to_string);
+        let looks_fenced = !settings.is_empty() || default_resource.is_some();
         for (name, value) in settings {
             match name.as_str() {
                 "fencing.resource" => session_resource = Resource::parse(value.as_bytes()).ok(),
@@ -88,17 +99,24 @@ impl FenceSettings {
         FenceSettings {
             enabled: config.fence.enabled,
             fast_path: config.fence.fast_path,
-            default_resource: config
-                .fence
-                .default_resource(database, user)
-                .map(str::to_string),
+            default_resource,
             allow_missing: config.fence.allow_missing(),
             client: peer.to_string(),
             session_resource,
             session_token,
             check_prepared: false,
+            guarded_check_prepared: false,
             fast_reject_prepared: false,
+            looks_fenced,
         }
+    }
+
+    /// pgfence's prepared statements are gone from the upstream connection (`DISCARD`,
+    /// `DEALLOCATE ALL`, or a Parse that failed): the next use prepares them again.
+    pub fn forget_prepared(&mut self) {
+        self.check_prepared = false;
+        self.guarded_check_prepared = false;
+        self.fast_reject_prepared = false;
     }
 
     /// The session may have changed its fencing settings in a way pgfence cannot follow.
@@ -158,20 +176,34 @@ impl Session {
         }
     }
 
-    fn prepare_check(&mut self) {
-        if !self.fence.check_prepared {
-            msg::parse(&mut self.to_server, CHECK_NAME, sql::CHECK_SQL.as_bytes());
+    /// Prepares the check statement this transaction's check uses, if needed; its name.
+    fn prepare_check(&mut self) -> &'static [u8] {
+        let guarded = !self.fence.looks_fenced
+            && self.tx.directives.is_empty()
+            && self.fence.default_resource.is_none();
+        let (name, sql, prepared) = if guarded {
+            (
+                GUARDED_CHECK_NAME,
+                sql::GUARDED_CHECK_SQL,
+                &mut self.fence.guarded_check_prepared,
+            )
+        } else {
+            (CHECK_NAME, sql::CHECK_SQL, &mut self.fence.check_prepared)
+        };
+        if !*prepared {
+            *prepared = true;
+            msg::parse(&mut self.to_server, name, sql.as_bytes());
             self.replies
                 .push(Request::Parse, Origin::Injected(Injected::PrepareCheck));
-            self.fence.check_prepared = true;
         }
+        name
     }
 
     /// Injects the check (extended protocol messages) into the upstream stream, here.
     pub(super) fn inject_check(&mut self, force: bool) {
-        self.prepare_check();
+        let statement = self.prepare_check();
         let params = sql::check_params(&self.check_args(force));
-        msg::bind_text(&mut self.to_server, CHECK_NAME, CHECK_NAME, &params);
+        msg::bind_text(&mut self.to_server, CHECK_NAME, statement, &params);
         self.replies
             .push(Request::Bind, Origin::Injected(Injected::Check));
         msg::execute(&mut self.to_server, CHECK_NAME);
@@ -236,6 +268,7 @@ impl Session {
     /// Learns fences from a check's result (`resource=token,...`).
     pub(super) fn observe_check_result(&mut self, value: Option<&[u8]>) {
         self.observe_check_latency();
+        self.fence.looks_fenced = value.is_some();
         let metrics = &self.shared.metrics;
         let Some(value) = value else {
             metrics

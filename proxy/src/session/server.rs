@@ -170,8 +170,7 @@ impl Session {
         ) {
             // pgfence's own statement could not be prepared (schema not installed?): the
             // client must learn it, and the next check prepares again.
-            self.fence.check_prepared = false;
-            self.fence.fast_reject_prepared = false;
+            self.fence.forget_prepared();
         }
         if from_check {
             self.observe_check_latency();
