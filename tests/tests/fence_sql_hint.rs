@@ -203,3 +203,108 @@ async fn a_clients_search_path_cannot_change_the_check() {
         .get(0);
     assert_eq!(rows, 3, "5, 5 and 6 committed; the hijacked writes did not");
 }
+
+/// The check of one comment directive (schema version 5): after the general path accepted
+/// `billing=t`, the same directive takes the hot path. It must still reject a token that
+/// became stale, still advance for a newer one, and never skip the session's own resource
+/// when the comment names another.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_comment_directive_takes_the_hot_path_and_nothing_else() {
+    let cluster = PgCluster::start();
+    let admin = cluster.connect("postgres").await;
+    admin
+        .batch_execute("CREATE DATABASE comments")
+        .await
+        .expect("create database");
+    let setup = cluster.connect("comments").await;
+    setup
+        .batch_execute(&install_sql(None))
+        .await
+        .expect("install schema");
+    setup
+        .batch_execute("CREATE TABLE w (x int)")
+        .await
+        .expect("create table");
+    let comment = |resource: &str, token: &str| {
+        format!("SELECT pgfence.check('{{{resource}}}', '{{{token}}}', NULL, '{{}}', 'hint-test', false)")
+    };
+    let fence = || async {
+        let f: i64 = setup
+            .query_one(
+                "SELECT token FROM pgfence.fences WHERE resource = 'billing'",
+                &[],
+            )
+            .await
+            .expect("fence")
+            .get(0);
+        f
+    };
+
+    // A: no session settings; the general path accepts billing=5 and records the hint,
+    // then the hot path accepts it.
+    let a = cluster.connect("comments").await;
+    let five = comment("billing", "5");
+    write_and_check_with(&a, &five).await.expect("first 5");
+    let hint: String = a
+        .query_one("SHOW pgfence.accepted", &[])
+        .await
+        .expect("show")
+        .get(0);
+    assert_eq!(hint, "billing=5", "the general path records the hint");
+    write_and_check_with(&a, &five).await.expect("hinted 5");
+
+    // B advances to 6: A's hinted 5 is stale (FN001), not accepted by the hot path.
+    let b = cluster.connect("comments").await;
+    write_and_check_with(&b, &comment("billing", "6"))
+        .await
+        .expect("6");
+    let err = write_and_check_with(&a, &five)
+        .await
+        .expect_err("stale 5 after the advance");
+    assert_eq!(err.code().map(|c| c.code()), Some("FN001"), "{err}");
+
+    // A forged hint with a newer token: not accepted by the hot path (the fence is 6), but
+    // a newer token is a new leader's: the general path advances the fence to it.
+    let c = cluster.connect("comments").await;
+    c.batch_execute("SET pgfence.accepted = 'billing=9'")
+        .await
+        .expect("forge hint");
+    write_and_check_with(&c, &comment("billing", "9"))
+        .await
+        .expect("9 advances");
+    assert_eq!(fence().await, 9);
+
+    // A comment without a resource applies to the session's: hot path once hinted.
+    let d = cluster.connect("comments").await;
+    d.batch_execute("SET fencing.resource = 'billing'")
+        .await
+        .expect("set resource");
+    let nine = comment("NULL", "9");
+    write_and_check_with(&d, &nine)
+        .await
+        .expect("9, session resource");
+    write_and_check_with(&d, &nine)
+        .await
+        .expect("9 again, hinted");
+
+    // The session's resource is another one, without a token: the comment's hint matches,
+    // but the session's resource must still be checked (FN002), never skipped.
+    let e = cluster.connect("comments").await;
+    e.batch_execute("SET fencing.resource = 'other'; SET pgfence.accepted = 'billing=9'")
+        .await
+        .expect("session resource other, hint for billing");
+    let err = write_and_check_with(&e, &comment("billing", "9"))
+        .await
+        .expect_err("the session's own resource has no token");
+    assert_eq!(err.code().map(|c| c.code()), Some("FN002"), "{err}");
+
+    let rows: i64 = setup
+        .query_one("SELECT count(*) FROM w", &[])
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(
+        rows, 6,
+        "5, 5, 6, 9, 9 and 9 committed; the stale and unfenced did not"
+    );
+}

@@ -437,6 +437,12 @@ BEGIN
     IF pg_catalog.array_length(v_accepted, 1) IS NULL THEN
         RETURN NULL;
     END IF;
+    IF pg_catalog.array_length(v_accepted, 1) = 1
+       AND pg_catalog.current_setting('pgfence.accepted', true) IS DISTINCT FROM v_accepted[1] THEN
+        -- One resource accepted (under its lock): the hint for pgfence.check's hot paths,
+        -- as the fast path above records it (undone with the transaction if it rolls back).
+        PERFORM pg_catalog.set_config('pgfence.accepted', v_accepted[1], false);
+    END IF;
     RETURN pg_catalog.array_to_string(v_accepted, ',');
 END
 $check$;
@@ -504,6 +510,24 @@ BEGIN
         SELECT f.token INTO v_locked FROM pgfence.fences AS f WHERE f.resource OPERATOR(pg_catalog.=) v_r0;
         IF v_locked::pg_catalog.text OPERATOR(pg_catalog.=) v_t_s THEN
             RETURN v_r0 OPERATOR(pg_catalog.||) '=' OPERATOR(pg_catalog.||) v_t_s;
+        END IF;
+    ELSIF __PGFENCE_ACCEPT_ADVISORY__
+       AND pg_catalog.cardinality(p_resources) OPERATOR(pg_catalog.=) 1
+       AND pg_catalog.cardinality(p_tokens) OPERATOR(pg_catalog.=) 1
+       AND (p_resources[1] IS NULL OR v_r0 IS NULL OR v_r0 OPERATOR(pg_catalog.=) p_resources[1])
+       AND pg_catalog.current_setting('pgfence.accepted', true)
+           OPERATOR(pg_catalog.=) (coalesce(p_resources[1], v_r0) OPERATOR(pg_catalog.||) '='
+                                   OPERATOR(pg_catalog.||) p_tokens[1])
+       AND pg_catalog.current_setting('transaction_isolation') OPERATOR(pg_catalog.=) 'read committed' THEN
+        -- The same for one comment directive (a client that comments its statements alike:
+        -- the proxy sends equal directives once) whose resource, named or the session's, is
+        -- the only one to check. A comment token overrides the session token for its
+        -- resource; a comment without a resource applies to the session's.
+        v_r0 := coalesce(p_resources[1], v_r0);
+        PERFORM pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtextextended(v_r0, 31638886877651813));
+        SELECT f.token INTO v_locked FROM pgfence.fences AS f WHERE f.resource OPERATOR(pg_catalog.=) v_r0;
+        IF v_locked::pg_catalog.text OPERATOR(pg_catalog.=) p_tokens[1] THEN
+            RETURN v_r0 OPERATOR(pg_catalog.||) '=' OPERATOR(pg_catalog.||) p_tokens[1];
         END IF;
     END IF;
     RETURN pgfence.check_write(p_resources, p_tokens, p_default_resource, p_allow_missing,

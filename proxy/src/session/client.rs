@@ -188,9 +188,7 @@ impl Session {
                     return Ok(Flow::Continue);
                 }
                 None if self.precheck_possible() && self.replies.is_empty() => {
-                    self.tx
-                        .directives
-                        .extend(analysis.directives.iter().cloned());
+                    self.tx.add_directives(&analysis.directives);
                     self.inject_check_with_sync(true, AfterCheck::Release);
                     self.hold = Hold::Waiting;
                     return Ok(Flow::Hold);
@@ -213,9 +211,7 @@ impl Session {
                 return Ok(self.fast_reject_query(&prepared, resource, token, fence));
             }
         }
-        self.tx
-            .directives
-            .extend(analysis.directives.iter().cloned());
+        self.tx.add_directives(&analysis.directives);
         if matches!(
             single,
             Some(StatementKind::Commit | StatementKind::PrepareTransaction)
@@ -406,9 +402,7 @@ impl Session {
                 }
                 None if self.precheck_possible() => {
                     if let Some(p) = &prepared {
-                        self.tx
-                            .directives
-                            .extend(p.analysis.directives.iter().cloned());
+                        self.tx.add_directives(&p.analysis.directives);
                     }
                     self.inject_check_with_sync(true, AfterCheck::Release);
                     self.hold = Hold::Waiting;
@@ -476,9 +470,7 @@ impl Session {
                     return Ok(Flow::Continue);
                 }
             }
-            self.tx
-                .directives
-                .extend(p.analysis.directives.iter().cloned());
+            self.tx.add_directives(&p.analysis.directives);
         }
         if matches!(
             kind,

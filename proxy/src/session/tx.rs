@@ -79,6 +79,18 @@ impl TxState {
         }
     }
 
+    /// Adds a statement's fencing directives to the transaction's. A directive equal to one
+    /// already there changes nothing in the check (same resource, same token), so it is
+    /// kept once: a client that comments every statement alike sends one, not one per
+    /// statement, and the check can take its hot path.
+    pub fn add_directives(&mut self, directives: &[Directive]) {
+        for d in directives {
+            if !self.directives.contains(d) {
+                self.directives.push(d.clone());
+            }
+        }
+    }
+
     /// Forgets what the ended transaction carried.
     pub fn end(&mut self) {
         self.dirty = false;
