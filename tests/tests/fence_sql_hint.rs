@@ -35,15 +35,14 @@ async fn write_and_check_with(
     }
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn the_accepted_hint_never_lets_a_wrong_token_commit() {
-    let cluster = PgCluster::start();
+/// A new database `name` with schema pgfence installed and a table `w (x int)`; its client.
+async fn database_with_fence(cluster: &PgCluster, name: &str) -> tokio_postgres::Client {
     let admin = cluster.connect("postgres").await;
     admin
-        .batch_execute("CREATE DATABASE hint")
+        .batch_execute(&format!("CREATE DATABASE {name}"))
         .await
         .expect("create database");
-    let setup = cluster.connect("hint").await;
+    let setup = cluster.connect(name).await;
     setup
         .batch_execute(&install_sql(None))
         .await
@@ -52,6 +51,13 @@ async fn the_accepted_hint_never_lets_a_wrong_token_commit() {
         .batch_execute("CREATE TABLE w (x int)")
         .await
         .expect("create table");
+    setup
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_accepted_hint_never_lets_a_wrong_token_commit() {
+    let cluster = PgCluster::start();
+    let setup = database_with_fence(&cluster, "hint").await;
 
     // Leader A creates the fence with 5, accepts 5 again (which records the hint), and a
     // third time through the hinted path.
@@ -120,20 +126,10 @@ async fn the_accepted_hint_never_lets_a_wrong_token_commit() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_clients_search_path_cannot_change_the_check() {
     let cluster = PgCluster::start();
-    let admin = cluster.connect("postgres").await;
-    admin
-        .batch_execute("CREATE DATABASE hijack")
-        .await
-        .expect("create database");
-    let setup = cluster.connect("hijack").await;
-    setup
-        .batch_execute(&install_sql(None))
-        .await
-        .expect("install schema");
+    let setup = database_with_fence(&cluster, "hijack").await;
     setup
         .batch_execute(
-            "CREATE TABLE w (x int);
-             CREATE SCHEMA evil;
+            "CREATE SCHEMA evil;
              CREATE FUNCTION evil.yes(text, text) RETURNS boolean LANGUAGE sql IMMUTABLE AS 'SELECT true';
              CREATE FUNCTION evil.yes(int, int) RETURNS boolean LANGUAGE sql IMMUTABLE AS 'SELECT true';
              CREATE FUNCTION evil.no(int, int) RETURNS boolean LANGUAGE sql IMMUTABLE AS 'SELECT false';
@@ -211,20 +207,7 @@ async fn a_clients_search_path_cannot_change_the_check() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_comment_directive_takes_the_hot_path_and_nothing_else() {
     let cluster = PgCluster::start();
-    let admin = cluster.connect("postgres").await;
-    admin
-        .batch_execute("CREATE DATABASE comments")
-        .await
-        .expect("create database");
-    let setup = cluster.connect("comments").await;
-    setup
-        .batch_execute(&install_sql(None))
-        .await
-        .expect("install schema");
-    setup
-        .batch_execute("CREATE TABLE w (x int)")
-        .await
-        .expect("create table");
+    let setup = database_with_fence(&cluster, "comments").await;
     let comment = |resource: &str, token: &str| {
         format!("SELECT pgfence.check('{{{resource}}}', '{{{token}}}', NULL, '{{}}', 'hint-test', false)")
     };
