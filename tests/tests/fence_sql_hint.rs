@@ -35,6 +35,12 @@ async fn write_and_check_with(
     }
 }
 
+/// The check failed with SQLSTATE `code`.
+fn assert_sqlstate(result: Result<(), tokio_postgres::Error>, code: &str, context: &str) {
+    let err = result.expect_err(context);
+    assert_eq!(err.code().map(|c| c.code()), Some(code), "{context}: {err}");
+}
+
 /// A new database `name` with schema pgfence installed and a table `w (x int)`; its client.
 async fn database_with_fence(cluster: &PgCluster, name: &str) -> tokio_postgres::Client {
     let admin = cluster.connect("postgres").await;
@@ -81,20 +87,22 @@ async fn the_accepted_hint_never_lets_a_wrong_token_commit() {
         .await
         .expect("set token");
     write_and_check(&b).await.expect("write with 6");
-    let err = write_and_check(&a)
-        .await
-        .expect_err("stale token 5 after the advance");
-    assert_eq!(err.code().map(|c| c.code()), Some("FN001"), "{err}");
+    assert_sqlstate(
+        write_and_check(&a).await,
+        "FN001",
+        "stale token 5 after the advance",
+    );
 
     // A forged hint for a token above the fence: never accepted without an advance.
     let c = cluster.connect("hint").await;
     c.batch_execute("SET fencing.token = 9; SET pgfence.accepted = 'billing=9'")
         .await
         .expect("forge hint");
-    let err = write_and_check(&c)
-        .await
-        .expect_err("forged hint must not accept 9");
-    assert_eq!(err.code().map(|c| c.code()), Some("40001"), "{err}");
+    assert_sqlstate(
+        write_and_check(&c).await,
+        "40001",
+        "forged hint must not accept 9",
+    );
     let fence: i64 = setup
         .query_one(
             "SELECT token FROM pgfence.fences WHERE resource = 'billing'",
@@ -185,12 +193,7 @@ async fn a_clients_search_path_cannot_change_the_check() {
     ];
     for (settings, check, code) in cases {
         old.batch_execute(settings).await.expect(settings);
-        let err = write_and_check_with(&old, check).await.expect_err(settings);
-        assert_eq!(
-            err.code().map(|c| c.code()),
-            Some(code),
-            "{settings}: {err}"
-        );
+        assert_sqlstate(write_and_check_with(&old, check).await, code, settings);
     }
     let rows: i64 = setup
         .query_one("SELECT count(*) FROM public.w", &[])
@@ -241,10 +244,11 @@ async fn a_comment_directive_takes_the_hot_path_and_nothing_else() {
     write_and_check_with(&b, &comment("billing", "6"))
         .await
         .expect("6");
-    let err = write_and_check_with(&a, &five)
-        .await
-        .expect_err("stale 5 after the advance");
-    assert_eq!(err.code().map(|c| c.code()), Some("FN001"), "{err}");
+    assert_sqlstate(
+        write_and_check_with(&a, &five).await,
+        "FN001",
+        "stale 5 after the advance",
+    );
 
     // A forged hint with a newer token: not accepted by the hot path (the fence is 6), but
     // a newer token is a new leader's: the general path advances the fence to it.
@@ -276,10 +280,11 @@ async fn a_comment_directive_takes_the_hot_path_and_nothing_else() {
     e.batch_execute("SET fencing.resource = 'other'; SET pgfence.accepted = 'billing=9'")
         .await
         .expect("session resource other, hint for billing");
-    let err = write_and_check_with(&e, &comment("billing", "9"))
-        .await
-        .expect_err("the session's own resource has no token");
-    assert_eq!(err.code().map(|c| c.code()), Some("FN002"), "{err}");
+    assert_sqlstate(
+        write_and_check_with(&e, &comment("billing", "9")).await,
+        "FN002",
+        "the session's own resource has no token",
+    );
 
     let rows: i64 = setup
         .query_one("SELECT count(*) FROM w", &[])
