@@ -3,16 +3,50 @@
 //! too-new token commit: a forged hint gives a retryable 40001, and a real one still rejects
 //! a token that became stale.
 
-use fence_core::sql::install_sql;
+use fence_core::directive::Directive;
+use fence_core::sql::{check_call_literal, install_sql, CheckArgs};
 use harness::PgCluster;
 
-const CHECK: &str = "SELECT pgfence.check('{}', '{}', 'billing', '{}', 'hint-test', false)";
+/// The check exactly as the proxy's simple-query rewrite sends it (no comment directives are
+/// NULL arrays, which is what the hot paths look for).
+fn check_sql(default_resource: Option<&str>, directives: &[Directive]) -> String {
+    let mut sql = Vec::new();
+    check_call_literal(
+        &CheckArgs {
+            directives,
+            default_resource,
+            allow_missing: &[],
+            client: "hint-test",
+            force: false,
+        },
+        &mut sql,
+    );
+    String::from_utf8(sql).expect("the literal is UTF-8")
+}
 
-/// What the proxy sends for a session without a configured default resource.
-const CHECK_NO_DEFAULT: &str = "SELECT pgfence.check('{}', '{}', NULL, '{}', 'hint-test', false)";
+/// With the configured default resource `billing`.
+fn check() -> String {
+    check_sql(Some("billing"), &[])
+}
+
+/// For a session without a configured default resource.
+fn check_no_default() -> String {
+    check_sql(None, &[])
+}
+
+/// One comment directive (`None`: the comment names no resource).
+fn comment(resource: Option<&str>, token: &str) -> String {
+    check_sql(
+        None,
+        &[Directive {
+            resource: resource.map(|r| r.as_bytes().to_vec()),
+            token: Some(token.as_bytes().to_vec()),
+        }],
+    )
+}
 
 async fn write_and_check(client: &tokio_postgres::Client) -> Result<(), tokio_postgres::Error> {
-    write_and_check_with(client, CHECK).await
+    write_and_check_with(client, &check()).await
 }
 
 async fn write_and_check_with(
@@ -80,6 +114,15 @@ async fn the_accepted_hint_never_lets_a_wrong_token_commit() {
         .get(0);
     assert_eq!(hint, "billing=5");
     write_and_check(&a).await.expect("hinted write with 5");
+    // A transaction that wrote nothing has nothing to fence, hinted or not.
+    a.batch_execute("BEGIN").await.expect("begin");
+    let nothing: Option<String> = a
+        .query_one(&check(), &[])
+        .await
+        .expect("check of a read-only transaction")
+        .get(0);
+    a.batch_execute("COMMIT").await.expect("commit");
+    assert_eq!(nothing, None, "a transaction that wrote nothing accepts nothing");
 
     // B advances to 6; A's hint still says 5, and A must now be rejected (FN001).
     let b = cluster.connect("hint").await;
@@ -91,6 +134,16 @@ async fn the_accepted_hint_never_lets_a_wrong_token_commit() {
         write_and_check(&a).await,
         "FN001",
         "stale token 5 after the advance",
+    );
+    // A caller that passes empty arrays rather than NULL goes the general way: same answer.
+    assert_sqlstate(
+        write_and_check_with(
+            &a,
+            "SELECT pgfence.check('{}', '{}', 'billing', '{}', 'hint-test', false)",
+        )
+        .await,
+        "FN001",
+        "stale token 5, empty directive arrays",
     );
 
     // A forged hint for a token above the fence: never accepted without an advance.
@@ -178,22 +231,22 @@ async fn a_clients_search_path_cannot_change_the_check() {
     // the session's own resource and token, then a resource without a token and a token
     // without a resource: none of them may look like an unfenced session to an evil `=`.
     let cases = [
-        ("SET fencing.token = 5", CHECK, "FN001"),
+        ("SET fencing.token = 5", check(), "FN001"),
         (
             "SET fencing.resource = 'billing'",
-            CHECK_NO_DEFAULT,
+            check_no_default(),
             "FN001",
         ),
-        ("RESET fencing.token", CHECK_NO_DEFAULT, "FN002"),
+        ("RESET fencing.token", check_no_default(), "FN002"),
         (
             "RESET fencing.resource; SET fencing.token = 7",
-            CHECK_NO_DEFAULT,
+            check_no_default(),
             "FN003",
         ),
     ];
     for (settings, check, code) in cases {
         old.batch_execute(settings).await.expect(settings);
-        assert_sqlstate(write_and_check_with(&old, check).await, code, settings);
+        assert_sqlstate(write_and_check_with(&old, &check).await, code, settings);
     }
     let rows: i64 = setup
         .query_one("SELECT count(*) FROM public.w", &[])
@@ -211,9 +264,6 @@ async fn a_clients_search_path_cannot_change_the_check() {
 async fn a_comment_directive_takes_the_hot_path_and_nothing_else() {
     let cluster = PgCluster::start();
     let setup = database_with_fence(&cluster, "comments").await;
-    let comment = |resource: &str, token: &str| {
-        format!("SELECT pgfence.check('{{{resource}}}', '{{{token}}}', NULL, '{{}}', 'hint-test', false)")
-    };
     let fence = || async {
         let f: i64 = setup
             .query_one(
@@ -229,7 +279,7 @@ async fn a_comment_directive_takes_the_hot_path_and_nothing_else() {
     // A: no session settings; the general path accepts billing=5 and records the hint,
     // then the hot path accepts it.
     let a = cluster.connect("comments").await;
-    let five = comment("billing", "5");
+    let five = comment(Some("billing"), "5");
     write_and_check_with(&a, &five).await.expect("first 5");
     let hint: String = a
         .query_one("SHOW pgfence.accepted", &[])
@@ -241,7 +291,7 @@ async fn a_comment_directive_takes_the_hot_path_and_nothing_else() {
 
     // B advances to 6: A's hinted 5 is stale (FN001), not accepted by the hot path.
     let b = cluster.connect("comments").await;
-    write_and_check_with(&b, &comment("billing", "6"))
+    write_and_check_with(&b, &comment(Some("billing"), "6"))
         .await
         .expect("6");
     assert_sqlstate(
@@ -256,7 +306,7 @@ async fn a_comment_directive_takes_the_hot_path_and_nothing_else() {
     c.batch_execute("SET pgfence.accepted = 'billing=9'")
         .await
         .expect("forge hint");
-    write_and_check_with(&c, &comment("billing", "9"))
+    write_and_check_with(&c, &comment(Some("billing"), "9"))
         .await
         .expect("9 advances");
     assert_eq!(fence().await, 9);
@@ -266,7 +316,7 @@ async fn a_comment_directive_takes_the_hot_path_and_nothing_else() {
     d.batch_execute("SET fencing.resource = 'billing'")
         .await
         .expect("set resource");
-    let nine = comment("NULL", "9");
+    let nine = comment(None, "9");
     write_and_check_with(&d, &nine)
         .await
         .expect("9, session resource");
@@ -281,7 +331,7 @@ async fn a_comment_directive_takes_the_hot_path_and_nothing_else() {
         .await
         .expect("session resource other, hint for billing");
     assert_sqlstate(
-        write_and_check_with(&e, &comment("billing", "9")).await,
+        write_and_check_with(&e, &comment(Some("billing"), "9")).await,
         "FN002",
         "the session's own resource has no token",
     );

@@ -464,8 +464,10 @@ $check$;
 -- grantee may read, and takes the advisory lock: nothing here needs the owner's rights.
 -- An empty fencing.resource never matches a hint (check_write records non-empty resources
 -- only), so it falls through to check_write's handling of the default resource.
--- Written as few PL/pgSQL expressions as possible: each one is compiled again in every
--- transaction. (Not a LANGUAGE sql function: inlining one into the proxy's simple-query
+-- Written as few PL/pgSQL expressions as possible, and the hot paths (and the unfenced
+-- session's early NULL) before the general path's tests: PL/pgSQL compiles each expression it
+-- evaluates again in every transaction, and PERFORM (unlike an IF condition) starts the
+-- executor (docs/fence-locking.md, schema version 6). (Not a LANGUAGE sql function: inlining one into the proxy's simple-query
 -- rewrite re-parses its body on every call, which costs more than the call it saves.)
 CREATE OR REPLACE FUNCTION pgfence.check(
     p_resources      text[],
@@ -483,6 +485,60 @@ DECLARE
     v_t_s    pg_catalog.text;   -- fencing.token of the session, as set
     v_locked pg_catalog.int8;   -- the fence, read under the shared advisory lock
 BEGIN
+    v_t_s := pg_catalog.current_setting('fencing.token', true);
+    IF p_resources IS NULL AND p_tokens IS NULL THEN
+        -- No comment directives (the proxy binds NULL arrays then).
+        IF v_t_s IS NULL THEN
+            IF p_default_resource IS NULL
+               AND pg_catalog.current_setting('fencing.resource', true) IS NULL THEN
+                -- An unfenced session: no resource and no token anywhere.
+                RETURN NULL;
+            END IF;
+        ELSE
+            -- The session's own token.
+            v_r0 := coalesce(pg_catalog.current_setting('fencing.resource', true), p_default_resource);
+            IF __PGFENCE_ACCEPT_ADVISORY__
+               AND pg_catalog.current_setting('pgfence.accepted', true)
+                   OPERATOR(pg_catalog.=) (v_r0 OPERATOR(pg_catalog.||) '=' OPERATOR(pg_catalog.||) v_t_s)
+               AND pg_catalog.current_setting('transaction_isolation') OPERATOR(pg_catalog.=) 'read committed'
+               AND (coalesce(p_force, false) OR pg_catalog.pg_current_xact_id_if_assigned() IS NOT NULL) THEN
+                -- (An IF, not PERFORM: PERFORM runs the executor, an IF condition does not.)
+                IF pg_catalog.pg_advisory_xact_lock_shared(
+                       pg_catalog.hashtextextended(v_r0, 31638886877651813)) IS NULL THEN
+                    RETURN NULL;  -- never: the function returns void, not NULL
+                END IF;
+                SELECT f.token INTO v_locked FROM pgfence.fences AS f WHERE f.resource OPERATOR(pg_catalog.=) v_r0;
+                IF v_locked::pg_catalog.text OPERATOR(pg_catalog.=) v_t_s THEN
+                    RETURN v_r0 OPERATOR(pg_catalog.||) '=' OPERATOR(pg_catalog.||) v_t_s;
+                END IF;
+            END IF;
+        END IF;
+    ELSIF __PGFENCE_ACCEPT_ADVISORY__
+          AND pg_catalog.cardinality(p_resources) OPERATOR(pg_catalog.=) 1
+          AND pg_catalog.cardinality(p_tokens) OPERATOR(pg_catalog.=) 1 THEN
+        -- The same for one comment directive (a client that comments its statements alike:
+        -- the proxy sends equal directives once) whose resource, named or the session's, is
+        -- the only one to check. A comment token overrides the session token for its
+        -- resource; a comment without a resource applies to the session's.
+        v_r0 := coalesce(pg_catalog.current_setting('fencing.resource', true), p_default_resource);
+        IF (p_resources[1] IS NULL OR v_r0 IS NULL OR v_r0 OPERATOR(pg_catalog.=) p_resources[1])
+           AND pg_catalog.current_setting('pgfence.accepted', true)
+               OPERATOR(pg_catalog.=) (coalesce(p_resources[1], v_r0) OPERATOR(pg_catalog.||) '='
+                                       OPERATOR(pg_catalog.||) p_tokens[1])
+           AND pg_catalog.current_setting('transaction_isolation') OPERATOR(pg_catalog.=) 'read committed'
+           AND (coalesce(p_force, false) OR pg_catalog.pg_current_xact_id_if_assigned() IS NOT NULL) THEN
+            v_r0 := coalesce(p_resources[1], v_r0);
+            IF pg_catalog.pg_advisory_xact_lock_shared(
+                   pg_catalog.hashtextextended(v_r0, 31638886877651813)) IS NULL THEN
+                RETURN NULL;  -- never
+            END IF;
+            SELECT f.token INTO v_locked FROM pgfence.fences AS f WHERE f.resource OPERATOR(pg_catalog.=) v_r0;
+            IF v_locked::pg_catalog.text OPERATOR(pg_catalog.=) p_tokens[1] THEN
+                RETURN v_r0 OPERATOR(pg_catalog.||) '=' OPERATOR(pg_catalog.||) p_tokens[1];
+            END IF;
+        END IF;
+    END IF;
+    -- Everything else, in full.
     IF NOT coalesce(p_force, false)
        AND pg_catalog.pg_current_xact_id_if_assigned() IS NULL THEN
         -- Nothing written: nothing to fence.
@@ -493,42 +549,9 @@ BEGIN
        AND coalesce(pg_catalog.cardinality(p_tokens), 0) OPERATOR(pg_catalog.=) 0
        AND coalesce(pg_catalog.length(pg_catalog.current_setting('fencing.resource', true)), 0)
            OPERATOR(pg_catalog.=) 0
-       AND coalesce(pg_catalog.length(pg_catalog.current_setting('fencing.token', true)), 0)
-           OPERATOR(pg_catalog.=) 0 THEN
-        -- An unfenced session: no resource and no token anywhere.
+       AND coalesce(pg_catalog.length(v_t_s), 0) OPERATOR(pg_catalog.=) 0 THEN
+        -- An unfenced session (a setting RESET to '' included).
         RETURN NULL;
-    END IF;
-    v_r0 := coalesce(pg_catalog.current_setting('fencing.resource', true), p_default_resource);
-    v_t_s := pg_catalog.current_setting('fencing.token', true);
-    IF __PGFENCE_ACCEPT_ADVISORY__
-       AND coalesce(pg_catalog.cardinality(p_resources), 0) OPERATOR(pg_catalog.=) 0
-       AND coalesce(pg_catalog.cardinality(p_tokens), 0) OPERATOR(pg_catalog.=) 0
-       AND pg_catalog.current_setting('pgfence.accepted', true)
-           OPERATOR(pg_catalog.=) (v_r0 OPERATOR(pg_catalog.||) '=' OPERATOR(pg_catalog.||) v_t_s)
-       AND pg_catalog.current_setting('transaction_isolation') OPERATOR(pg_catalog.=) 'read committed' THEN
-        PERFORM pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtextextended(v_r0, 31638886877651813));
-        SELECT f.token INTO v_locked FROM pgfence.fences AS f WHERE f.resource OPERATOR(pg_catalog.=) v_r0;
-        IF v_locked::pg_catalog.text OPERATOR(pg_catalog.=) v_t_s THEN
-            RETURN v_r0 OPERATOR(pg_catalog.||) '=' OPERATOR(pg_catalog.||) v_t_s;
-        END IF;
-    ELSIF __PGFENCE_ACCEPT_ADVISORY__
-       AND pg_catalog.cardinality(p_resources) OPERATOR(pg_catalog.=) 1
-       AND pg_catalog.cardinality(p_tokens) OPERATOR(pg_catalog.=) 1
-       AND (p_resources[1] IS NULL OR v_r0 IS NULL OR v_r0 OPERATOR(pg_catalog.=) p_resources[1])
-       AND pg_catalog.current_setting('pgfence.accepted', true)
-           OPERATOR(pg_catalog.=) (coalesce(p_resources[1], v_r0) OPERATOR(pg_catalog.||) '='
-                                   OPERATOR(pg_catalog.||) p_tokens[1])
-       AND pg_catalog.current_setting('transaction_isolation') OPERATOR(pg_catalog.=) 'read committed' THEN
-        -- The same for one comment directive (a client that comments its statements alike:
-        -- the proxy sends equal directives once) whose resource, named or the session's, is
-        -- the only one to check. A comment token overrides the session token for its
-        -- resource; a comment without a resource applies to the session's.
-        v_r0 := coalesce(p_resources[1], v_r0);
-        PERFORM pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtextextended(v_r0, 31638886877651813));
-        SELECT f.token INTO v_locked FROM pgfence.fences AS f WHERE f.resource OPERATOR(pg_catalog.=) v_r0;
-        IF v_locked::pg_catalog.text OPERATOR(pg_catalog.=) p_tokens[1] THEN
-            RETURN v_r0 OPERATOR(pg_catalog.||) '=' OPERATOR(pg_catalog.||) p_tokens[1];
-        END IF;
     END IF;
     RETURN pgfence.check_write(p_resources, p_tokens, p_default_resource, p_allow_missing,
                                p_client, p_force);
