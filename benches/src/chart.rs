@@ -41,7 +41,7 @@ pub fn svg(cells: &[CellResult], title: &str, footer: &str) -> String {
     let _ = writeln!(
         s,
         "<text x=\"{MARGIN_LEFT}\" y=\"74\" font-size=\"11\" fill=\"#666\">Bars: median TPS \
-         over rounds (black label); whiskers: min–max over rounds; grey label: ratio to direct.</text>"
+         over rounds (black label); whiskers: min–max over rounds; grey label: ratio to direct (median of the rounds' ratios).</text>"
     );
     for (i, &w) in workloads.iter().enumerate() {
         let top = HEADER + PANEL_HEIGHT * i as f64;
@@ -144,7 +144,6 @@ fn panel(s: &mut String, top: f64, workload: Workload, cells: &[&CellResult], se
         let gx = MARGIN_LEFT + group_w * gi as f64;
         let bars_w = bar_w * setups.len() as f64;
         let x0 = gx + (group_w - bars_w) / 2.0;
-        let direct = c.get(Setup::Direct);
         for (bi, &setup) in setups.iter().enumerate() {
             let x = x0 + bar_w * bi as f64;
             let cx = x + bar_w / 2.0;
@@ -202,13 +201,12 @@ fn panel(s: &mut String, top: f64, workload: Workload, cells: &[&CellResult], se
                 short(m.tps)
             );
             if setup != Setup::Direct {
-                if let Some(d) = direct.filter(|d| d.tps > 0.0) {
+                if let Some(ratio) = c.tps_ratio(setup, Setup::Direct) {
                     let _ = writeln!(
                         s,
                         "<text x=\"{cx:.1}\" y=\"{:.1}\" font-size=\"9.5\" text-anchor=\"middle\" \
-                         fill=\"#555\">{:.2}×</text>",
+                         fill=\"#555\">{ratio:.2}×</text>",
                         label_y - 12.0,
-                        m.tps / d.tps
                     );
                 }
             }

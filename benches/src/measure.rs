@@ -82,12 +82,38 @@ pub struct CellResult {
 }
 
 impl CellResult {
-    /// The medians of `setup`, when it ran and completed a round.
-    pub fn get(&self, setup: Setup) -> Option<Medians> {
+    fn runs(&self, setup: Setup) -> &[Run] {
         self.setups
             .iter()
             .find(|s| s.setup == setup)
-            .and_then(|s| s.median)
+            .map(|s| s.runs.as_slice())
+            .unwrap_or_default()
+    }
+
+    /// The median over rounds of `f(a's run, b's run)`, pairing runs of the same round (they
+    /// ran minutes apart at most, so machine drift between rounds cancels out); `None`
+    /// when no round completed for both.
+    fn paired(&self, a: Setup, b: Setup, f: impl Fn(&Run, &Run) -> Option<f64>) -> Option<f64> {
+        let rb = self.runs(b);
+        let values: Vec<f64> = self
+            .runs(a)
+            .iter()
+            .filter_map(|x| {
+                let y = rb.iter().find(|y| y.round == x.round)?;
+                f(x, y)
+            })
+            .collect();
+        median(&values)
+    }
+
+    /// TPS of `a` over TPS of `b`: the median of the rounds' ratios.
+    pub fn tps_ratio(&self, a: Setup, b: Setup) -> Option<f64> {
+        self.paired(a, b, |x, y| (y.tps > 0.0).then(|| x.tps / y.tps))
+    }
+
+    /// Mean latency `a` adds to `b`, in µs: the median of the rounds' differences.
+    pub fn added_latency_us(&self, a: Setup, b: Setup) -> Option<f64> {
+        self.paired(a, b, |x, y| Some((x.mean_ms - y.mean_ms) * 1000.0))
     }
 }
 
@@ -181,7 +207,12 @@ pub fn run_all(
             })
             .collect();
         for round in 1..=args.rounds {
-            for (i, (setup, t)) in setups.iter().enumerate() {
+            // Each round starts one configuration later than the one before, so that no
+            // configuration always runs right after the same one (a checkpoint, autovacuum or
+            // the previous run's cache would otherwise land on the same neighbour each time).
+            let order = rotated(setups.len(), round);
+            for i in order {
+                let (setup, t) = &setups[i];
                 let name = format!("{}-{}-r{round}", cell.slug(), setup.key());
                 let proxy = stack.proxy_pid(*setup);
                 let outcome = stack
@@ -190,6 +221,7 @@ pub fn run_all(
                     .and_then(|()| {
                         let before = cpu::sample(proxy);
                         let mut run = bench.run(t, cell, args.duration, &name)?;
+                        run.round = round;
                         let after = cpu::sample(proxy);
                         (run.cpu_us, run.proxy_cpu_us) =
                             cpu::per_transaction(before, after, run.transactions);
@@ -239,6 +271,12 @@ pub fn run_all(
     Ok(results)
 }
 
+/// The order of `n` configurations in `round` (1-based): rotated by one per round.
+fn rotated(n: usize, round: u32) -> impl Iterator<Item = usize> {
+    let start = (round.saturating_sub(1) as usize) % n.max(1);
+    (0..n).map(move |k| (start + k) % n)
+}
+
 /// Resets the TPC-B tables (directly on PostgreSQL) before a TPC-B run.
 fn reset(db: &Db, stack: &Stack, cell: Cell) -> Result<()> {
     proc::check_interrupted()?;
@@ -265,4 +303,69 @@ fn eta(started: Instant, done: usize, total: usize) -> String {
     let per = started.elapsed().as_secs_f64() / done as f64;
     let left = Duration::from_secs_f64(per * (total - done) as f64).as_secs();
     format!("{}m{:02}s", left / 60, left % 60)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::{Mode, Workload};
+
+    fn run(round: u32, tps: f64, mean_ms: f64) -> Run {
+        Run {
+            tps,
+            transactions: 0,
+            failed: 0,
+            mean_ms,
+            p50_ms: mean_ms,
+            p99_ms: mean_ms,
+            cpu_us: None,
+            proxy_cpu_us: None,
+            round,
+        }
+    }
+
+    fn setup(setup: Setup, runs: Vec<Run>) -> SetupResult {
+        SetupResult {
+            setup,
+            label: setup.label(),
+            runs,
+            errors: Vec::new(),
+            median: None,
+        }
+    }
+
+    #[test]
+    fn rounds_rotate_through_every_configuration() {
+        assert_eq!(rotated(3, 1).collect::<Vec<_>>(), [0, 1, 2]);
+        assert_eq!(rotated(3, 2).collect::<Vec<_>>(), [1, 2, 0]);
+        assert_eq!(rotated(3, 4).collect::<Vec<_>>(), [0, 1, 2]);
+        assert_eq!(rotated(0, 2).count(), 0);
+    }
+
+    #[test]
+    fn ratios_pair_runs_of_the_same_round() {
+        // The machine is twice as fast in round 2: medians of TPS would say 1.5 / 2.5 = 0.6;
+        // the rounds' own ratios say 0.5 each time. Round 3 of `b` failed: not paired.
+        let cell = CellResult {
+            cell: Cell {
+                workload: Workload::SelectOnly,
+                mode: Mode::Simple,
+                clients: 1,
+            },
+            label: String::new(),
+            setups: vec![
+                setup(
+                    Setup::NoToken,
+                    vec![run(1, 1.0, 2.0), run(2, 2.0, 1.0), run(3, 9.0, 0.1)],
+                ),
+                setup(Setup::Pgbouncer, vec![run(1, 2.0, 1.0), run(2, 4.0, 0.5)]),
+            ],
+        };
+        assert_eq!(cell.tps_ratio(Setup::NoToken, Setup::Pgbouncer), Some(0.5));
+        assert_eq!(
+            cell.added_latency_us(Setup::NoToken, Setup::Pgbouncer),
+            Some(750.0)
+        );
+        assert_eq!(cell.tps_ratio(Setup::Direct, Setup::Pgbouncer), None);
+    }
 }

@@ -3,7 +3,7 @@
 
 use serde::Serialize;
 
-use crate::measure::{CellResult, Medians};
+use crate::measure::CellResult;
 use crate::plan::{Setup, Workload};
 use crate::stale::{Memory, StaleRow, Tokens};
 
@@ -113,13 +113,6 @@ impl Table {
     }
 }
 
-fn ratio(a: Option<Medians>, b: Option<Medians>) -> Option<f64> {
-    match (a, b) {
-        (Some(a), Some(b)) if b.tps > 0.0 => Some(a.tps / b.tps),
-        _ => None,
-    }
-}
-
 fn fmt_ratio(r: Option<f64>) -> String {
     r.map(|r| format!("{r:.2}x")).unwrap_or_default()
 }
@@ -177,7 +170,6 @@ fn cell_table(cells: &[CellResult], rounds: u32) -> Table {
         .collect();
     let mut rows = Vec::new();
     for c in cells {
-        let direct = c.get(Setup::Direct);
         for (i, s) in c.setups.iter().enumerate() {
             let m = s.median;
             let mut row = vec![
@@ -199,27 +191,28 @@ fn cell_table(cells: &[CellResult], rounds: u32) -> Table {
             row.push(if s.setup == Setup::Direct {
                 String::new()
             } else {
-                fmt_ratio(ratio(m, direct))
+                fmt_ratio(c.tps_ratio(s.setup, Setup::Direct))
             });
             if with_bouncer {
                 row.push(if s.setup == Setup::Pgbouncer {
                     String::new()
                 } else {
-                    fmt_ratio(ratio(m, c.get(Setup::Pgbouncer)))
+                    fmt_ratio(c.tps_ratio(s.setup, Setup::Pgbouncer))
                 });
             }
             if with_token_ratio {
                 row.push(if s.setup.has_token() {
-                    fmt_ratio(ratio(m, c.get(Setup::NoToken)))
+                    fmt_ratio(c.tps_ratio(s.setup, Setup::NoToken))
                 } else {
                     String::new()
                 });
             }
-            row.push(match (m, direct) {
-                (Some(m), Some(d)) if s.setup != Setup::Direct => {
-                    signed_us((m.mean_ms - d.mean_ms) * 1000.0)
-                }
-                _ => String::new(),
+            row.push(if s.setup == Setup::Direct {
+                String::new()
+            } else {
+                c.added_latency_us(s.setup, Setup::Direct)
+                    .map(signed_us)
+                    .unwrap_or_default()
             });
             let us = |v: Option<f64>| v.map(|v| format!("{v:.0}")).unwrap_or_default();
             row.push(us(m.and_then(|m| m.cpu_us)));
@@ -284,7 +277,7 @@ fn targets(r: &Report) -> Vec<String> {
         cells
             .iter()
             .filter(|c| filter(c))
-            .filter_map(|c| ratio(c.get(num), c.get(den)).map(|x| (x, c.label.clone())))
+            .filter_map(|c| c.tps_ratio(num, den).map(|x| (x, c.label.clone())))
             .min_by(|a, b| a.0.total_cmp(&b.0))
     };
     let all = |_: &CellResult| true;
@@ -317,21 +310,19 @@ fn targets(r: &Report) -> Vec<String> {
         ));
     }
     for c in cells.iter().filter(|c| c.cell.clients == 1) {
-        let (Some(d), Some(b), Some(f)) = (
-            c.get(Setup::Direct),
-            c.get(Setup::Pgbouncer),
-            c.get(Setup::NoToken),
+        let (Some(f), Some(b)) = (
+            c.added_latency_us(Setup::NoToken, Setup::Direct),
+            c.added_latency_us(Setup::Pgbouncer, Setup::Direct),
         ) else {
             continue;
         };
-        let added = |m: Medians| (m.mean_ms - d.mean_ms) * 1000.0;
         out.push(format!(
             "added latency at one client <= PgBouncer's (aim half), {}: pgfence {} µs, \
              PgBouncer {} µs — {}",
             c.label,
-            signed_us(added(f)),
-            signed_us(added(b)),
-            verdict(added(f) <= added(b))
+            signed_us(f),
+            signed_us(b),
+            verdict(f <= b)
         ));
     }
     if let Some(m) = &r.memory {
@@ -352,7 +343,8 @@ fn targets(r: &Report) -> Vec<String> {
 pub fn text(r: &Report) -> String {
     let mut out = format!(
         "\n{}\n\nTPS: median of {} round(s) of {} s; mean and p99 latency: medians of the \
-         rounds' values. CPU µs/txn: busy time of the whole machine (client, proxy, server) per \
+         rounds' values. Ratios and +µs: medians of the rounds' own ratios and differences \
+         (the runs of a round ran back to back). CPU µs/txn: busy time of the whole machine (client, proxy, server) per \
          transaction; proxy CPU µs/txn: the proxy's own (medians of the rounds). \
          spread = (max - min) / median TPS.\n\n",
         r.command, r.rounds, r.duration_secs
@@ -404,9 +396,12 @@ pub fn markdown(r: &Report) -> String {
     out.push_str("![TPS per configuration](chart.svg)\n\n## Throughput and latency\n\n");
     out.push_str(
         "TPS is the median over rounds; mean and p99 latency (from pgbench's \
-         per-transaction log) are the medians of the rounds' values. Ratios divide TPS. \
+         per-transaction log) are the medians of the rounds' values. Ratios divide TPS, \
+         round by round (the configurations of one round ran back to back, each round in an \
+         order rotated by one), and show the median of the rounds' ratios. \
          *vs no token*: the token-carrying configuration over pgfence without a token. \
-         *+µs vs direct*: mean latency added to PostgreSQL's. *CPU µs/txn*: busy time of the \
+         *+µs vs direct*: mean latency added to PostgreSQL's (median of the rounds' \
+         differences). *CPU µs/txn*: busy time of the \
          whole machine (client, proxy, server) per transaction, *proxy CPU µs/txn*: the \
          proxy's own (medians of the rounds; on a CPU-bound machine these decide throughput, \
          and they move far less than TPS when the machine is noisy). *spread*: (max - min) / \

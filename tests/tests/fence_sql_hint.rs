@@ -122,7 +122,10 @@ async fn the_accepted_hint_never_lets_a_wrong_token_commit() {
         .expect("check of a read-only transaction")
         .get(0);
     a.batch_execute("COMMIT").await.expect("commit");
-    assert_eq!(nothing, None, "a transaction that wrote nothing accepts nothing");
+    assert_eq!(
+        nothing, None,
+        "a transaction that wrote nothing accepts nothing"
+    );
 
     // B advances to 6; A's hint still says 5, and A must now be rejected (FN001).
     let b = cluster.connect("hint").await;
