@@ -145,6 +145,7 @@ pub async fn run_with(
                 sessions = tracker.len(),
                 "shutdown timeout reached: closing remaining sessions"
             );
+            // After `drain`, always: sessions only listen for `kill` once draining.
             kill.cancel();
             let _ = tokio::time::timeout(Duration::from_secs(2), tracker.wait()).await;
         }

@@ -147,7 +147,8 @@ pub(crate) enum Flow {
 pub(crate) struct Stop {
     /// Close at the next idle moment (no transaction open, nothing in flight).
     pub drain: CancellationToken,
-    /// Close now.
+    /// Close now. Only ever cancelled after `drain` (the forwarding loop relies on it: it
+    /// waits for one of the two at a time).
     pub kill: CancellationToken,
 }
 
@@ -498,7 +499,9 @@ impl Session {
                 _ = &mut drain, if !draining => {
                     draining = true;
                 }
-                _ = &mut kill => {
+                // `kill` comes after `drain`: until then, polling it at every turn (a lock
+                // in tokio's Notify) would only cost.
+                _ = &mut kill, if draining => {
                     return Err(self.say_goodbye(&mut cw).await);
                 }
             }
