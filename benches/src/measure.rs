@@ -207,9 +207,10 @@ pub fn run_all(
             })
             .collect();
         for round in 1..=args.rounds {
-            // Each round starts one configuration later than the one before, so that no
-            // configuration always runs right after the same one (a checkpoint, autovacuum or
-            // the previous run's cache would otherwise land on the same neighbour each time).
+            // Each round starts one configuration later than the one before: every
+            // configuration takes every position in turn, so neither the first run of a cell
+            // (right after the previous cell's workload) nor drift within a round always
+            // lands on the same one.
             let order = rotated(setups.len(), round);
             for i in order {
                 let (setup, t) = &setups[i];
