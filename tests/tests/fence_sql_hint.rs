@@ -75,6 +75,13 @@ fn assert_sqlstate(result: Result<(), tokio_postgres::Error>, code: &str, contex
     assert_eq!(err.code().map(|c| c.code()), Some(code), "{context}: {err}");
 }
 
+/// A new session on database `db` with `settings` (SQL) applied.
+async fn session(cluster: &PgCluster, db: &str, settings: &str) -> tokio_postgres::Client {
+    let client = cluster.connect(db).await;
+    client.batch_execute(settings).await.expect(settings);
+    client
+}
+
 /// A new database `name` with schema pgfence installed and a table `w (x int)`; its client.
 async fn database_with_fence(cluster: &PgCluster, name: &str) -> tokio_postgres::Client {
     let admin = cluster.connect("postgres").await;
@@ -101,10 +108,7 @@ async fn the_accepted_hint_never_lets_a_wrong_token_commit() {
 
     // Leader A creates the fence with 5, accepts 5 again (which records the hint), and a
     // third time through the hinted path.
-    let a = cluster.connect("hint").await;
-    a.batch_execute("SET fencing.token = 5")
-        .await
-        .expect("set token");
+    let a = session(&cluster, "hint", "SET fencing.token = 5").await;
     write_and_check(&a).await.expect("first write with 5");
     write_and_check(&a).await.expect("second write with 5");
     let hint: String = a
@@ -128,10 +132,7 @@ async fn the_accepted_hint_never_lets_a_wrong_token_commit() {
     );
 
     // B advances to 6; A's hint still says 5, and A must now be rejected (FN001).
-    let b = cluster.connect("hint").await;
-    b.batch_execute("SET fencing.token = 6")
-        .await
-        .expect("set token");
+    let b = session(&cluster, "hint", "SET fencing.token = 6").await;
     write_and_check(&b).await.expect("write with 6");
     assert_sqlstate(
         write_and_check(&a).await,
@@ -150,10 +151,12 @@ async fn the_accepted_hint_never_lets_a_wrong_token_commit() {
     );
 
     // A forged hint for a token above the fence: never accepted without an advance.
-    let c = cluster.connect("hint").await;
-    c.batch_execute("SET fencing.token = 9; SET pgfence.accepted = 'billing=9'")
-        .await
-        .expect("forge hint");
+    let c = session(
+        &cluster,
+        "hint",
+        "SET fencing.token = 9; SET pgfence.accepted = 'billing=9'",
+    )
+    .await;
     assert_sqlstate(
         write_and_check(&c).await,
         "40001",
@@ -208,16 +211,10 @@ async fn a_clients_search_path_cannot_change_the_check() {
 
     // The leader with 6 writes; the deposed one (5) was accepted before it, so its backend
     // holds the hint `billing=5` and takes the hot path.
-    let old = cluster.connect("hijack").await;
-    old.batch_execute("SET fencing.token = 5")
-        .await
-        .expect("set token");
+    let old = session(&cluster, "hijack", "SET fencing.token = 5").await;
     write_and_check(&old).await.expect("first write with 5");
     write_and_check(&old).await.expect("hinted write with 5");
-    let new = cluster.connect("hijack").await;
-    new.batch_execute("SET fencing.token = 6")
-        .await
-        .expect("set token");
+    let new = session(&cluster, "hijack", "SET fencing.token = 6").await;
     write_and_check(&new).await.expect("write with 6");
 
     old.batch_execute("SET search_path = evil, pg_catalog, public")
@@ -305,20 +302,14 @@ async fn a_comment_directive_takes_the_hot_path_and_nothing_else() {
 
     // A forged hint with a newer token: not accepted by the hot path (the fence is 6), but
     // a newer token is a new leader's: the general path advances the fence to it.
-    let c = cluster.connect("comments").await;
-    c.batch_execute("SET pgfence.accepted = 'billing=9'")
-        .await
-        .expect("forge hint");
+    let c = session(&cluster, "comments", "SET pgfence.accepted = 'billing=9'").await;
     write_and_check_with(&c, &comment(Some("billing"), "9"))
         .await
         .expect("9 advances");
     assert_eq!(fence().await, 9);
 
     // A comment without a resource applies to the session's: hot path once hinted.
-    let d = cluster.connect("comments").await;
-    d.batch_execute("SET fencing.resource = 'billing'")
-        .await
-        .expect("set resource");
+    let d = session(&cluster, "comments", "SET fencing.resource = 'billing'").await;
     let nine = comment(None, "9");
     write_and_check_with(&d, &nine)
         .await
@@ -329,10 +320,12 @@ async fn a_comment_directive_takes_the_hot_path_and_nothing_else() {
 
     // The session's resource is another one, without a token: the comment's hint matches,
     // but the session's resource must still be checked (FN002), never skipped.
-    let e = cluster.connect("comments").await;
-    e.batch_execute("SET fencing.resource = 'other'; SET pgfence.accepted = 'billing=9'")
-        .await
-        .expect("session resource other, hint for billing");
+    let e = session(
+        &cluster,
+        "comments",
+        "SET fencing.resource = 'other'; SET pgfence.accepted = 'billing=9'",
+    )
+    .await;
     assert_sqlstate(
         write_and_check_with(&e, &comment(Some("billing"), "9")).await,
         "FN002",
