@@ -14,5 +14,6 @@ pub mod protocol;
 mod server;
 mod session;
 pub mod state;
+mod timer;
 
 pub use server::{run, run_with, ShutdownMode, Workers};

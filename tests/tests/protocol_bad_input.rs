@@ -19,12 +19,17 @@
 //!   a live session's pid and a wrong key, cancels nothing.
 //! - [`upstream_down_gives_fatal_naming_it`]: no server at the upstream address: FATAL
 //!   08006 naming it; an upstream that stops mid-session and comes back.
+//! - [`the_binary_s_worker_threads_time_out_silent_clients`]: the same startup timeout in
+//!   the `pgfence` binary, whose sessions run on worker threads without a timer of their
+//!   own.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use harness::wire::{self, assert_error, RawConn, Read1};
-use harness::{free_port, try_connect_to, PgCluster, Proxy, APP_DB, SCRAM_USER, SUPERUSER};
+use harness::{
+    free_port, try_connect_to, PgCluster, Proxy, ProxyProcess, APP_DB, SCRAM_USER, SUPERUSER,
+};
 
 /// The message cap of these tests' proxies.
 const MAX_MESSAGE: u32 = 64 * 1024;
@@ -564,4 +569,39 @@ fn upstream_down_gives_fatal_naming_it() {
         .filter_map(|m| m.data_row())
         .collect();
     assert_eq!(rows, vec![vec![Some(b"back".to_vec())]]);
+}
+
+#[test]
+fn the_binary_s_worker_threads_time_out_silent_clients() {
+    let cluster = PgCluster::start();
+    let mut config = Proxy::config_for(&cluster);
+    config.limits.startup_timeout = Duration::from_secs(1);
+    let proxy = ProxyProcess::builder()
+        .config(config)
+        .args(["--config", "{config}", "--threads", "2"])
+        .start();
+    // One silent client per worker thread (sessions are dealt out in turn), and a session
+    // that logs in between them, unaffected.
+    let full = login_bytes();
+    let started = Instant::now();
+    let mut silent: Vec<RawConn> = (0..2)
+        .map(|_| {
+            let mut conn = RawConn::connect(proxy.addr());
+            conn.send(&full[..6]);
+            conn
+        })
+        .collect();
+    let (mut working, _) = RawConn::login(proxy.addr(), SUPERUSER, APP_DB);
+    for conn in &mut silent {
+        let replies = conn.until_closed();
+        assert_eq!(replies.len(), 1, "{replies:?}");
+        assert_error(&replies[0], "FATAL", "08P01");
+    }
+    let elapsed = started.elapsed();
+    assert!(
+        elapsed >= Duration::from_millis(900) && elapsed < Duration::from_secs(10),
+        "closed after {elapsed:?}, with a startup timeout of 1 s"
+    );
+    working.send(&wire::query("SELECT 1"));
+    assert!(working.until_ready().iter().any(|m| m.tag == b'D'));
 }
