@@ -277,6 +277,10 @@ impl<'a> Lexer<'a> {
 
     fn ident_or_prefixed_literal(&mut self) -> TokKind {
         let b = self.sql[self.pos];
+        // Most identifiers: no quote or `&` after their first letter.
+        if !matches!(self.peek(1), Some(b'\'' | b'&')) {
+            return self.ident_from(self.pos + 1);
+        }
         match (b.to_ascii_lowercase(), self.peek(1), self.peek(2)) {
             (b'e', Some(b'\''), _) => {
                 self.pos += 2;
@@ -305,11 +309,13 @@ impl<'a> Lexer<'a> {
             }
             _ => {}
         }
-        let end = self.sql[self.pos..]
-            .iter()
-            .position(|&c| !is_ident_cont(c))
-            .map_or(self.sql.len(), |n| self.pos + n);
-        self.pos = end;
+        self.ident_from(self.pos + 1)
+    }
+
+    /// An identifier whose bytes up to `from` were scanned.
+    fn ident_from(&mut self, from: usize) -> TokKind {
+        let rest = self.sql.get(from..).unwrap_or_default();
+        self.pos = from + rest.iter().take_while(|&&c| is_ident_cont(c)).count();
         TokKind::Ident
     }
 

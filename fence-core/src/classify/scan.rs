@@ -60,6 +60,9 @@ pub(super) struct Scan<'a> {
     prev: [Option<Tok>; 3],
     seen: Seen,
     columns: MaybeColumns,
+    /// The first word alone decides the kind (see [`head_decides`]): the rest of the
+    /// statement is only followed for where it ends.
+    head_decides: bool,
 }
 
 const NO_TOK: Tok = Tok {
@@ -82,6 +85,7 @@ impl<'a> Scan<'a> {
             prev: [None; 3],
             seen: Seen::default(),
             columns: MaybeColumns::No,
+            head_decides: false,
         }
     }
 
@@ -96,6 +100,7 @@ impl<'a> Scan<'a> {
         self.prev = [None; 3];
         self.seen = Seen::default();
         self.columns = MaybeColumns::No;
+        self.head_decides = false;
     }
 
     /// The first top-level words recorded.
@@ -126,13 +131,38 @@ impl<'a> Scan<'a> {
         is_keyword(self.word(i), keyword)
     }
 
+    #[inline]
     pub(super) fn feed(&mut self, tok: Tok) {
         self.extend(tok);
+        if self.head_decides {
+            // Only where the statement ends matters now: parentheses hide a `;`.
+            match tok.kind {
+                TokKind::LParen => self.depth += 1,
+                TokKind::RParen => self.depth = self.depth.saturating_sub(1),
+                _ => {}
+            }
+            self.n_tokens += 1;
+        } else {
+            self.feed_words(tok);
+        }
+    }
+
+    /// [`Self::feed`] while the words matter.
+    #[inline(never)]
+    fn feed_words(&mut self, tok: Tok) {
         let mut buf = [0u8; MAX_WORD_LEN];
         let lower = match tok.kind {
             TokKind::Ident => lower(self.text(tok), &mut buf),
             _ => &[],
         };
+        if self.n_tokens == 0 && tok.kind == TokKind::Ident && head_decides(lower) {
+            self.head_decides = true;
+            self.words[0] = tok;
+            self.n_words = 1;
+            self.n_tokens = 1;
+            self.prev = [Some(tok), None, None];
+            return;
+        }
         self.advance_columns(tok, lower);
         match tok.kind {
             TokKind::Ident => self.note_word(lower),
@@ -367,6 +397,9 @@ impl<'a> Scan<'a> {
 
     fn kind(&self) -> StatementKind {
         use StatementKind::*;
+        if self.head_decides {
+            return MayWrite;
+        }
         let Some(&head) = self.words().first() else {
             return MayWrite; // starts with `)`
         };
@@ -407,6 +440,7 @@ impl<'a> Scan<'a> {
             b"alter" => self.alter(),
             b"reindex" => self.reindex(),
             b"cluster" => self.cluster(),
+            // Keep in step with `head_decides`: a word listed here must be listed there.
             _ => MayWrite,
         }
     }
@@ -524,6 +558,49 @@ impl<'a> Scan<'a> {
             StatementKind::MayWrite
         }
     }
+}
+
+/// Whether a statement starting with the word `w` (in lower case) is
+/// [`StatementKind::MayWrite`] whatever follows: every first word except those that
+/// [`Scan::kind`] looks beyond (or, for `reset` and `discard`,
+/// [`Scan::resets_all_settings`]). `INSERT`, `UPDATE`, `DELETE`, `MERGE`, `COPY`,
+/// `TRUNCATE`, ...: most statements an application writes with skip the call detection and
+/// the word lists.
+fn head_decides(w: &[u8]) -> bool {
+    // The list as a `match`: a jump on the length, then few comparisons.
+    !matches!(
+        w,
+        b"" | b"select"
+            | b"values"
+            | b"table"
+            | b"with"
+            | b"declare"
+            | b"show"
+            | b"set"
+            | b"reset"
+            | b"listen"
+            | b"unlisten"
+            | b"close"
+            | b"explain"
+            | b"prepare"
+            | b"begin"
+            | b"start"
+            | b"commit"
+            | b"end"
+            | b"rollback"
+            | b"abort"
+            | b"savepoint"
+            | b"release"
+            | b"discard"
+            | b"deallocate"
+            | b"vacuum"
+            | b"call"
+            | b"create"
+            | b"drop"
+            | b"alter"
+            | b"reindex"
+            | b"cluster"
+    )
 }
 
 /// What `name(` turned out to be.

@@ -635,3 +635,49 @@ fn random_bytes_never_panic() {
         }
     }
 }
+
+/// A statement whose first word decides its kind is only followed for where it ends: what
+/// comes after it is classified as usual, and the whole text is still searched for
+/// `fencing`.
+#[test]
+fn a_deciding_first_word_still_ends_at_the_right_place() {
+    assert_eq!(
+        kinds(
+            "UPDATE t SET a = (SELECT count(*) FROM u); SELECT 1; \
+             INSERT INTO t VALUES ((1), ';'); COMMIT; DELETE FROM t; SAVEPOINT s"
+        ),
+        [MayWrite, ReadOnly, MayWrite, Commit, MayWrite, Savepoint]
+    );
+    assert_eq!(
+        texts("insert into t values ((1)) ; reset all"),
+        ["insert into t values ((1))", "reset all"]
+    );
+    // Parentheses hide a `;` after any first word (the server would refuse the text).
+    assert_eq!(kinds("UPDATE t SET a = (1; SELECT 2)"), [MayWrite]);
+    assert_eq!(kinds("SELECT (1; UPDATE t SET a = 2)").len(), 1);
+    // An unbalanced `)` does not hide the next statement.
+    assert_eq!(
+        kinds("UPDATE t SET a = 1) ; SELECT 2"),
+        [MayWrite, ReadOnly]
+    );
+    assert!(analyze(b"UPDATE t SET a = set_config('x', '1', true)").mentions_fencing);
+    assert!(
+        analyze(b"COPY t FROM STDIN /* fencing_token=3 */")
+            .directives
+            .len()
+            == 1
+    );
+    // Words only read on for the heads that need them.
+    check(&[
+        ("UPDATE t SET a = 1 FOR SHARE", MayWrite),
+        ("TRUNCATE t", MayWrite),
+        (
+            "Merge INTO t USING u ON true WHEN MATCHED THEN DELETE",
+            MayWrite,
+        ),
+        ("SELECT 1 FOR SHARE", MayWrite),
+        ("RESET ALL", ReadOnly),
+        ("DISCARD ALL", Discard),
+    ]);
+    assert!(analyze(b"RESET ALL").mentions_fencing);
+}
