@@ -314,8 +314,12 @@ impl<'a> Lexer<'a> {
 
     /// An identifier whose bytes up to `from` were scanned.
     fn ident_from(&mut self, from: usize) -> TokKind {
-        let rest = self.sql.get(from..).unwrap_or_default();
-        self.pos = from + rest.iter().take_while(|&&c| is_ident_cont(c)).count();
+        let sql = self.sql;
+        let mut i = from;
+        while i < sql.len() && is_ident_cont(sql[i]) {
+            i += 1;
+        }
+        self.pos = i;
         TokKind::Ident
     }
 

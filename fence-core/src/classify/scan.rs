@@ -148,7 +148,6 @@ impl<'a> Scan<'a> {
     }
 
     /// [`Self::feed`] while the words matter.
-    #[inline(never)]
     fn feed_words(&mut self, tok: Tok) {
         let mut buf = [0u8; MAX_WORD_LEN];
         let lower = match tok.kind {
