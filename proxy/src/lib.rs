@@ -14,6 +14,5 @@ pub mod protocol;
 mod server;
 mod session;
 pub mod state;
-mod timer;
 
 pub use server::{run, run_with, ShutdownMode, Workers};

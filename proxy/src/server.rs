@@ -24,9 +24,6 @@ use crate::state::Shared;
 /// Threads that run client sessions, each with its own single-threaded runtime (and so
 /// its own I/O driver): a session's reads, writes and wakeups stay on one thread, without
 /// the work-stealing scheduler's bookkeeping. Sessions are dealt out round-robin.
-///
-/// The workers' runtimes have no timer: their sessions' timeouts sleep on the runtime that
-/// started them (see [`crate::timer`]).
 #[derive(Debug)]
 pub struct Workers {
     handles: Vec<tokio::runtime::Handle>,
@@ -34,28 +31,17 @@ pub struct Workers {
 }
 
 impl Workers {
-    /// Starts `n` worker threads (at least one). Called from within a runtime (the one
-    /// that accepts clients), the workers use its timer; otherwise each gets its own.
+    /// Starts `n` worker threads (at least one).
     pub fn start(n: usize) -> std::io::Result<Workers> {
-        let timers = tokio::runtime::Handle::try_current().ok();
         let mut handles = Vec::new();
         for i in 0..n.max(1) {
-            let mut builder = tokio::runtime::Builder::new_current_thread();
-            match timers {
-                Some(_) => builder.enable_io(),
-                None => builder.enable_all(),
-            };
-            let runtime = builder.build()?;
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
             handles.push(runtime.handle().clone());
-            let timers = timers.clone();
             std::thread::Builder::new()
                 .name(format!("pgfence-worker-{i}"))
-                .spawn(move || {
-                    if let Some(timers) = timers {
-                        crate::timer::use_timers_of(timers);
-                    }
-                    runtime.block_on(std::future::pending::<()>())
-                })?;
+                .spawn(move || runtime.block_on(std::future::pending::<()>()))?;
         }
         Ok(Workers {
             handles,

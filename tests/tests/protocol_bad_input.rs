@@ -20,8 +20,7 @@
 //! - [`upstream_down_gives_fatal_naming_it`]: no server at the upstream address: FATAL
 //!   08006 naming it; an upstream that stops mid-session and comes back.
 //! - [`the_binary_s_worker_threads_time_out_silent_clients`]: the same startup timeout in
-//!   the `pgfence` binary, whose sessions run on worker threads without a timer of their
-//!   own.
+//!   the `pgfence` binary, whose sessions run on worker threads (runtimes of their own).
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};

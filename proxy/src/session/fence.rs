@@ -304,6 +304,7 @@ impl Session {
                     previous = before.map(|b| b.to_string()).unwrap_or_else(|| "none".into()),
                     new = token,
                     client = %self.client_addr,
+                    session = self.id,
                     "fence advanced"
                 );
             }
@@ -393,6 +394,7 @@ impl Session {
             database = self.database.as_str(),
             application_name = self.application_name.as_str(),
             backend_pid = self.backend_pid,
+            session = self.id,
             statement = statement.as_str(),
             "fence rejected"
         );
