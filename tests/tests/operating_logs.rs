@@ -4,8 +4,8 @@
 //!   a JSON object; each rejected transaction (database path: stale in autocommit and at an
 //!   explicit COMMIT, missing, invalid; fast path: stale in autocommit and inside a
 //!   transaction) is exactly one WARN `fence rejected` event with resource, token, fence,
-//!   reason, path, client_addr, user, database, application_name, backend_pid and the first
-//!   200 characters of the statement; accepted advances are INFO `fence advanced` events;
+//!   reason, path, client_addr, user, database, application_name, backend_pid, session and
+//!   the first 200 characters of the statement; accepted advances are INFO `fence advanced` events;
 //!   no INFO-or-above event other than a rejection carries statement text; connections open
 //!   and close at DEBUG.
 //! - [`text_log_without_fast_path`]: the default text format, and `fence.fast_path = false`:
@@ -120,6 +120,8 @@ fn assert_event(event: &Event, e: &ExpectedEvent) {
         "{ctx}"
     );
     assert_eq!(int_field(event, "backend_pid"), e.backend_pid, "{ctx}");
+    // The id SHOW CLIENTS lists; sessions are numbered from 1.
+    assert!(int_field(event, "session") >= 1, "session of {ctx}");
     assert_eq!(str_field(event, "statement"), e.statement, "{ctx}");
 }
 
