@@ -540,16 +540,26 @@ async fn ids(direct: &Client, t: &str) -> Vec<i32> {
 
 /// Runs `query`, cancelling it through `token` every 300 ms until it ends: a cancel that
 /// arrives before the query started is lost (as with PostgreSQL itself), so one may not do.
+/// When more than one went out, a later one may still be on its way to the backend when the
+/// query ends (the server signals its backend asynchronously): it is given time to land
+/// while the session is idle, where a cancel does nothing, rather than on the next query.
 async fn cancelled<T>(
     token: &CancelToken,
     query: impl std::future::Future<Output = Result<T, tokio_postgres::Error>>,
 ) -> Result<T, tokio_postgres::Error> {
     tokio::pin!(query);
+    let mut sent = 0;
     loop {
         tokio::select! {
-            r = &mut query => return r,
+            r = &mut query => {
+                if sent > 1 {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                return r;
+            }
             () = tokio::time::sleep(Duration::from_millis(300)) => {
                 token.cancel_query(NoTls).await.expect("cancel_query");
+                sent += 1;
             }
         }
     }
