@@ -62,9 +62,9 @@ pub(crate) struct Prepared {
 }
 
 /// Named statements or portals. Looked up at every Bind and Execute, so hashed with
-/// foldhash rather than std's SipHash (a profile put SipHash at 2.7% of the proxy's
-/// instructions). Names come from the client, but the map is its session's own: colliding
-/// names would slow down only that client.
+/// foldhash rather than std's SipHash (callgrind: 650 fewer instructions per prepared
+/// TPC-B transaction). Names come from the client, but the map is its session's own:
+/// colliding names would slow down only that client.
 pub(crate) type Names = foldhash::HashMap<Box<[u8]>, Arc<Prepared>>;
 
 /// A `COPY ... FROM STDIN` run with the extended protocol, as far as pgfence can tell.
@@ -161,8 +161,8 @@ pub(crate) struct Stop {
 pub(crate) async fn serve(client: TcpStream, peer: SocketAddr, shared: Arc<Shared>, stop: Stop) {
     let id = shared.next_client_id();
     // A debug span: an enabled span is entered and left at every poll of the session, which
-    // a profile put at 5.7% of the proxy's instructions. The events logged at info level and
-    // above from a session carry the client themselves.
+    // a profile put at 5.7% of the proxy's instructions. The events a session logs at info
+    // level and above carry the client (and the fence events the session id) themselves.
     let span = debug_span!(
         "session",
         id,
