@@ -159,7 +159,6 @@ impl<'a> Scan<'a> {
             self.words[0] = tok;
             self.n_words = 1;
             self.n_tokens = 1;
-            self.prev = [Some(tok), None, None];
             return;
         }
         self.advance_columns(tok, lower);
