@@ -106,6 +106,32 @@ impl CellResult {
         median(&values)
     }
 
+    /// In how many rounds `keep(a's run, b's run)` held, out of the rounds both completed.
+    fn rounds_where(
+        &self,
+        a: Setup,
+        b: Setup,
+        keep: impl Fn(&Run, &Run) -> bool,
+    ) -> (usize, usize) {
+        let rb = self.runs(b);
+        let pairs: Vec<bool> = self
+            .runs(a)
+            .iter()
+            .filter_map(|x| Some(keep(x, rb.iter().find(|y| y.round == x.round)?)))
+            .collect();
+        (pairs.iter().filter(|&&k| k).count(), pairs.len())
+    }
+
+    /// Rounds in which `a` had at least `b`'s TPS, and rounds paired.
+    pub fn rounds_not_slower(&self, a: Setup, b: Setup) -> (usize, usize) {
+        self.rounds_where(a, b, |x, y| x.tps >= y.tps)
+    }
+
+    /// Rounds in which `a`'s mean latency was at most `b`'s, and rounds paired.
+    pub fn rounds_not_later(&self, a: Setup, b: Setup) -> (usize, usize) {
+        self.rounds_where(a, b, |x, y| x.mean_ms <= y.mean_ms)
+    }
+
     /// TPS of `a` over TPS of `b`: the median of the rounds' ratios.
     pub fn tps_ratio(&self, a: Setup, b: Setup) -> Option<f64> {
         self.paired(a, b, |x, y| (y.tps > 0.0).then(|| x.tps / y.tps))
