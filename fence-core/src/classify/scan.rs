@@ -56,8 +56,10 @@ pub(super) struct Scan<'a> {
     depth: u32,
     /// Nesting of `BEGIN ATOMIC` (and `CASE` inside it) in a routine body.
     atomic_depth: u32,
-    /// The last three non-comment tokens, latest first.
-    prev: [Option<Tok>; 3],
+    /// The last three non-comment tokens, a ring: the latest at `prev_at`, the one before at
+    /// `prev_at - 1` (mod 4). Cheaper than shifting three tokens along at every token.
+    prev: [Option<Tok>; 4],
+    prev_at: usize,
     seen: Seen,
     columns: MaybeColumns,
     /// The first word alone decides the kind (see [`head_decides`]): the rest of the
@@ -82,7 +84,8 @@ impl<'a> Scan<'a> {
             n_tokens: 0,
             depth: 0,
             atomic_depth: 0,
-            prev: [None; 3],
+            prev: [None; 4],
+            prev_at: 0,
             seen: Seen::default(),
             columns: MaybeColumns::No,
             head_decides: false,
@@ -97,7 +100,7 @@ impl<'a> Scan<'a> {
         self.n_tokens = 0;
         self.depth = 0;
         self.atomic_depth = 0;
-        self.prev = [None; 3];
+        self.prev = [None; 4];
         self.seen = Seen::default();
         self.columns = MaybeColumns::No;
         self.head_decides = false;
@@ -182,7 +185,8 @@ impl<'a> Scan<'a> {
         {
             self.columns = MaybeColumns::AfterList;
         }
-        self.prev = [Some(tok), self.prev[0], self.prev[1]];
+        self.prev_at = (self.prev_at + 1) % 4;
+        self.prev[self.prev_at] = Some(tok);
         self.n_tokens += 1;
     }
 
@@ -211,12 +215,20 @@ impl<'a> Scan<'a> {
         }
     }
 
+    /// The `i`-th latest non-comment token (0: the latest), for `i` < 3.
+    fn prev(&self, i: usize) -> Option<Tok> {
+        debug_assert!(i < 3);
+        self.prev[(self.prev_at + 4 - i) % 4]
+    }
+
     fn prev_is_keyword(&self, i: usize, keyword: &str) -> bool {
-        self.prev[i].is_some_and(|t| t.kind == TokKind::Ident && is_keyword(self.text(t), keyword))
+        self.prev(i)
+            .is_some_and(|t| t.kind == TokKind::Ident && is_keyword(self.text(t), keyword))
     }
 
     fn prev_is_byte(&self, i: usize, text: &[u8]) -> bool {
-        self.prev[i].is_some_and(|t| t.kind == TokKind::Other && self.text(t) == text)
+        self.prev(i)
+            .is_some_and(|t| t.kind == TokKind::Other && self.text(t) == text)
     }
 
     /// `CREATE [OR REPLACE] FUNCTION|PROCEDURE`, whose `BEGIN ATOMIC` body holds `;`.
@@ -228,7 +240,7 @@ impl<'a> Scan<'a> {
 
     /// A `(`: decides whether the token before it makes a function call.
     fn note_lparen(&mut self) {
-        let Some(name) = self.prev[0] else {
+        let Some(name) = self.prev(0) else {
             return;
         };
         // A statement never starts with a call: `EXPLAIN (`, `VACUUM (`, `VALUES (`.
@@ -264,7 +276,7 @@ impl<'a> Scan<'a> {
             return Call::Grammar;
         }
         let mut before_buf = [0u8; MAX_WORD_LEN];
-        let before: &[u8] = match self.prev[1] {
+        let before: &[u8] = match self.prev(1) {
             Some(t) if t.kind == TokKind::RParen => b")",
             Some(t) if t.kind == TokKind::Ident => lower(self.text(t), &mut before_buf),
             _ => b"",
@@ -312,7 +324,7 @@ impl<'a> Scan<'a> {
         if !self.prev_is_byte(1, b".") {
             return None;
         }
-        let pg_catalog = self.prev[2].is_some_and(|q| match q.kind {
+        let pg_catalog = self.prev(2).is_some_and(|q| match q.kind {
             TokKind::Ident => is_keyword(self.text(q), "pg_catalog"),
             TokKind::QuotedIdent => self.text(q) == b"\"pg_catalog\"",
             _ => false,
@@ -326,7 +338,7 @@ impl<'a> Scan<'a> {
 
     /// Whether `prev[i]` ends an operand, so that a keyword after it is infix.
     fn follows_operand(&self, i: usize) -> bool {
-        self.prev[i].is_some_and(|t| match t.kind {
+        self.prev(i).is_some_and(|t| match t.kind {
             TokKind::Number | TokKind::String | TokKind::Param | TokKind::QuotedIdent => true,
             TokKind::RParen => true,
             TokKind::Other => self.text(t) == b"]",
