@@ -8,6 +8,7 @@ pub mod admin;
 pub mod cancel;
 pub mod error;
 pub mod install;
+pub mod latency;
 pub mod metrics;
 pub mod pool;
 pub mod protocol;

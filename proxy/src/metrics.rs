@@ -11,11 +11,12 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, warn};
+
+use crate::latency::LatencyHistogram;
 
 /// What prometheus-client's text encoder writes is OpenMetrics (`# EOF`, counter families
 /// typed without their `_total` suffix), not the Prometheus 0.0.4 text format: say so, or a
@@ -56,8 +57,8 @@ pub struct Metrics {
     pub upstream_idle: Gauge,
     pub upstream_reused: Counter,
     pub upstream_errors: Counter,
-    pub check_latency: Histogram,
-    pub query_latency: Histogram,
+    pub check_latency: LatencyHistogram,
+    pub query_latency: LatencyHistogram,
 }
 
 impl Default for Metrics {
@@ -72,8 +73,8 @@ impl Default for Metrics {
         let upstream_reused = Counter::default();
         let upstream_errors = Counter::default();
         // 50 µs .. ~1.6 s
-        let check_latency = Histogram::new(exponential_buckets(0.00005, 2.0, 16));
-        let query_latency = Histogram::new(exponential_buckets(0.00005, 2.0, 16));
+        let check_latency = LatencyHistogram::doubling_from(Duration::from_micros(50));
+        let query_latency = LatencyHistogram::doubling_from(Duration::from_micros(50));
         registry.register(
             "pgfence_fence_checks",
             "Commit-time fence checks by resource and outcome",

@@ -345,10 +345,7 @@ impl Session {
     /// Records how long the check in flight took.
     pub(super) fn observe_check_latency(&mut self) {
         if let Some(sent) = self.check_sent.take() {
-            self.shared
-                .metrics
-                .check_latency
-                .observe(sent.elapsed().as_secs_f64());
+            self.shared.metrics.check_latency.observe(sent.elapsed());
         }
     }
 

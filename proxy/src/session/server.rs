@@ -303,10 +303,7 @@ impl Session {
             _ => {
                 self.check_failed = false;
                 if let Some(sent) = self.sync_sent.pop_front() {
-                    self.shared
-                        .metrics
-                        .query_latency
-                        .observe(sent.elapsed().as_secs_f64());
+                    self.shared.metrics.query_latency.observe(sent.elapsed());
                 }
                 self.to_client.extend_from_slice(frame);
             }
