@@ -224,8 +224,8 @@ pub fn answer(shared: &Shared, sql: &[u8], out: &mut BytesMut) -> Answer {
             let rows: Vec<Vec<String>> = [
                 ("clients_active", shared.active_sessions() as u64),
                 ("clients_total", s.clients_total.load(Ordering::Relaxed)),
-                ("queries", s.queries.load(Ordering::Relaxed)),
-                ("fence_checks", s.checks.load(Ordering::Relaxed)),
+                ("queries", s.queries.get()),
+                ("fence_checks", s.checks.get()),
                 ("rejections", s.rejections.load(Ordering::Relaxed)),
                 ("fast_rejections", s.fast_rejections.load(Ordering::Relaxed)),
                 ("upstream_errors", s.upstream_errors.load(Ordering::Relaxed)),

@@ -8,12 +8,12 @@ pub mod admin;
 pub mod cancel;
 pub mod error;
 pub mod install;
-pub mod latency;
 pub mod metrics;
 pub mod pool;
 pub mod protocol;
 mod server;
 mod session;
+pub mod sharded;
 pub mod state;
 
 pub use server::{run, run_with, ShutdownMode, Workers};

@@ -16,7 +16,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, warn};
 
-use crate::latency::LatencyHistogram;
+use crate::sharded::LatencyHistogram;
 
 /// What prometheus-client's text encoder writes is OpenMetrics (`# EOF`, counter families
 /// typed without their `_total` suffix), not the Prometheus 0.0.4 text format: say so, or a

@@ -231,8 +231,9 @@ pub struct ClientInfo {
 #[derive(Debug, Default)]
 pub struct Stats {
     pub clients_total: AtomicU64,
-    pub queries: AtomicU64,
-    pub checks: AtomicU64,
+    /// Counted at every query by every worker thread: sharded (see [`crate::sharded`]).
+    pub queries: crate::sharded::Counter,
+    pub checks: crate::sharded::Counter,
     pub rejections: AtomicU64,
     pub fast_rejections: AtomicU64,
     pub upstream_errors: AtomicU64,

@@ -8,7 +8,6 @@ use fence_core::lexer::{is_keyword, LexOptions, Lexer, TokKind};
 
 use crate::error::SessionError;
 use crate::protocol::message::{self as msg, Frontend};
-use crate::state::Stats;
 
 use super::replies::{AfterCheck, QueryPlan, Request};
 use super::tx::View;
@@ -152,7 +151,7 @@ impl Session {
 
     fn on_query(&mut self, frame: &[u8]) -> Result<Flow, SessionError> {
         let sql = msg::query_text(frame).ok_or(SessionError::MalformedClientMessage("Query"))?;
-        Stats::add(&self.shared.stats.queries);
+        self.shared.stats.queries.add();
         let prepared = self.prepared(sql);
         if prepared.analysis.may_write() {
             self.last_write = Some(prepared.clone());
@@ -255,7 +254,7 @@ impl Session {
             self.check_literal(&mut text);
             checks.push(analysis.statements.len() + plan.before.len());
         }
-        Stats::add(&self.shared.stats.checks);
+        self.shared.stats.checks.add();
         self.tx.directives.clear();
         self.check_sent = Some(std::time::Instant::now());
         self.sent(Request::Query);
@@ -426,7 +425,7 @@ impl Session {
         let portal =
             msg::execute_portal(frame).ok_or(SessionError::MalformedClientMessage("Execute"))?;
         let prepared = self.portal(portal);
-        Stats::add(&self.shared.stats.queries);
+        self.shared.stats.queries.add();
         self.tx.batch_has_execute = true;
         // A portal pgfence did not see bound is treated as one that may write.
         let kind = prepared

@@ -15,7 +15,7 @@ use crate::error::SessionError;
 use crate::metrics::{CheckLabels, RejectionLabels, ResourceLabel};
 use crate::protocol::message as msg;
 use crate::protocol::startup::{options_settings, Startup};
-use crate::state::{RejectionRecord, Stats};
+use crate::state::RejectionRecord;
 
 use super::replies::{AfterCheck, Injected, Origin, Request};
 use super::tx::View;
@@ -222,7 +222,7 @@ impl Session {
         }
         self.tx.directives.clear();
         self.check_sent = Some(std::time::Instant::now());
-        Stats::add(&self.shared.stats.checks);
+        self.shared.stats.checks.add();
     }
 
     /// Injects a check that runs to its own Sync.

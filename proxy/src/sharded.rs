@@ -1,12 +1,14 @@
-//! A latency histogram that the worker threads update without sharing a lock.
+//! Counters and a latency histogram that the worker threads update without sharing a lock
+//! or a cache line.
 //!
-//! prometheus-client's `Histogram` takes a write lock for every observation. Every session
-//! observes its query latency at every ReadyForQuery, so with one histogram and N worker
-//! threads every query serialised on that lock, and its cache line moved between cores at
-//! every observation. Here each thread adds to its own shard (relaxed atomics on cache lines
-//! no other thread writes, unless there are more threads than shards), and a scrape sums
-//! the shards. Two threads observing flat out on this 2-core machine: 17 to 22 ns per
-//! observation with the lock, 5 to 7 ns sharded; one thread alone: 5.3 and 6.1 ns.
+//! prometheus-client's `Histogram` takes a write lock for every observation, and a plain
+//! `AtomicU64` counter is one cache line for the whole process. Every session observes its
+//! query latency and counts its query at every round trip, so with N worker threads every
+//! query serialised on that lock, and those cache lines moved between cores at every query.
+//! Here each thread adds to its own shard (relaxed atomics on cache lines no other thread
+//! writes, unless there are more threads than shards), and a reader sums the shards. Two
+//! threads observing flat out on this 2-core machine: 17 to 22 ns per observation with the
+//! lock, 5 to 7 ns sharded; one thread alone: 5.3 and 6.1 ns.
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
@@ -106,7 +108,35 @@ impl LatencyHistogram {
     }
 }
 
-/// This thread's shard: threads take the next one the first time they observe.
+/// A counter that only goes up, one shard per thread.
+#[derive(Default)]
+pub struct Counter {
+    shards: [PaddedU64; SHARDS],
+}
+
+#[repr(align(128))]
+#[derive(Default)]
+struct PaddedU64(AtomicU64);
+
+impl Counter {
+    pub fn add(&self) {
+        self.shards[shard_of_this_thread()].0.fetch_add(1, Relaxed);
+    }
+
+    pub fn get(&self) -> u64 {
+        self.shards
+            .iter()
+            .fold(0u64, |sum, s| sum.wrapping_add(s.0.load(Relaxed)))
+    }
+}
+
+impl fmt::Debug for Counter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.get())
+    }
+}
+
+/// This thread's shard: threads take the next one the first time they count.
 fn shard_of_this_thread() -> usize {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     thread_local! {
@@ -183,6 +213,18 @@ mod tests {
         assert_eq!(buckets[1].1, 3 * 1000);
         assert_eq!(buckets[2].1, 6 * 1000);
         assert_eq!(buckets[3].1, 8 * 1000);
+    }
+
+    #[test]
+    fn a_counter_sums_what_every_thread_added() {
+        let c = Counter::default();
+        std::thread::scope(|s| {
+            for _ in 0..(SHARDS + 4) {
+                s.spawn(|| (0..1000).for_each(|_| c.add()));
+            }
+        });
+        c.add();
+        assert_eq!(c.get(), (SHARDS as u64 + 4) * 1000 + 1);
     }
 
     #[test]
