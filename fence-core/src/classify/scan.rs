@@ -336,7 +336,7 @@ impl<'a> Scan<'a> {
         })
     }
 
-    /// Whether `prev[i]` ends an operand, so that a keyword after it is infix.
+    /// Whether `prev(i)` ends an operand, so that a keyword after it is infix.
     fn follows_operand(&self, i: usize) -> bool {
         self.prev(i).is_some_and(|t| match t.kind {
             TokKind::Number | TokKind::String | TokKind::Param | TokKind::QuotedIdent => true,
