@@ -242,11 +242,19 @@ pub fn analyze(sql: &[u8]) -> Analysis {
 
 /// Analyses `sql` lexed with the session's settings.
 pub fn analyze_with(sql: &[u8], options: LexOptions) -> Analysis {
+    analyze_impl(sql, options, true)
+}
+
+/// [`analyze_with`]; `skip` lets a statement whose first word decided its kind skip plain
+/// tokens (the tests compare with the token-by-token walk).
+#[inline(always)]
+fn analyze_impl(sql: &[u8], options: LexOptions, skip: bool) -> Analysis {
     let mut out = Analysis::default();
     // Where the directives of comment-only segments before the first statement begin.
     let mut orphans_from = None;
     let mut scan = Scan::new(sql, 0);
-    for tok in Lexer::with_options(sql, options) {
+    let mut lexer = Lexer::with_options(sql, options);
+    while let Some(tok) = lexer.next() {
         match tok.kind {
             TokKind::Comment { block } => {
                 directive::from_comment(tok.text(sql), block, &mut out.directives);
@@ -263,6 +271,19 @@ pub fn analyze_with(sql: &[u8], options: LexOptions) -> Analysis {
             out.mentions_fencing = mentions_fencing(tok.kind, tok.text(sql));
         }
         scan.feed(tok);
+        if skip && scan.head_decides() {
+            // Only where the statement ends and what its comments say matter now: plain
+            // tokens are skipped without being made (see `Lexer::skip_plain`).
+            let mentions = &mut out.mentions_fencing;
+            let skipped = lexer.skip_plain(|word| {
+                if !*mentions {
+                    *mentions = mentions_fencing(TokKind::Ident, word);
+                }
+            });
+            if let Some(end) = skipped {
+                scan.extend_to(end);
+            }
+        }
     }
     out.end_segment(&mut scan, &mut orphans_from);
     out
@@ -296,6 +317,7 @@ impl Analysis {
 
 /// See [`Analysis::mentions_fencing`]. One pass over the token: stops at `f`, `s` (any case)
 /// and `\\` only (`b | 0x20` folds case, and maps `\\` to `|`).
+#[inline]
 fn mentions_fencing(kind: TokKind, text: &[u8]) -> bool {
     let escapes = match kind {
         TokKind::Ident if text.len() < b"fencing".len() => return false,

@@ -342,6 +342,71 @@ impl<'a> Lexer<'a> {
     }
 }
 
+impl<'a> Lexer<'a> {
+    /// Skips what can only lex as plain tokens (identifiers, keywords, numbers, operators,
+    /// punctuation, white space), up to the first byte that may begin anything else: a quote,
+    /// `$`, `;`, a parenthesis, `--` or `/*`. For a caller that only needs to know where a
+    /// statement ends and what its comments say: the plain tokens are not made, but `word`
+    /// sees each run of identifier bytes skipped (an identifier, a number, or both).
+    ///
+    /// A quote or `$` right after identifier bytes may belong to them (`E'..'`, `U&".."`,
+    /// `a$b`), and where a number ends depends on what came before it (`1e-5e'..'` is a
+    /// number, an identifier `e5e` and a plain string). So the lexer then goes on from the
+    /// last place a token surely begins: where skipping began, or after white space or a comma.
+    ///
+    /// Returns the end of the last byte skipped that is not white space, if any was.
+    #[inline(never)]
+    pub fn skip_plain(&mut self, mut word: impl FnMut(&'a [u8])) -> Option<usize> {
+        let sql = self.sql;
+        let class = |i: usize| sql.get(i).map_or(0, |&b| CLASSES[usize::from(b)]);
+        let mut i = self.pos;
+        let mut last = None;
+        let mut resume = (i, last);
+        loop {
+            if class(i) & SPACE != 0 {
+                while class(i) & SPACE != 0 {
+                    i += 1;
+                }
+                resume = (i, last);
+            }
+            let Some(&b) = sql.get(i) else { break };
+            if CLASSES[usize::from(b)] & RUN != 0 {
+                let start = i;
+                while class(i) & RUN != 0 {
+                    i += 1;
+                }
+                if sql
+                    .get(i)
+                    .is_some_and(|&b| matches!(b, b'\'' | b'"' | b'$'))
+                {
+                    (i, last) = resume;
+                    break;
+                }
+                word(&sql[start..i]);
+            } else if stops(b, sql.get(i + 1).copied()) {
+                break;
+            } else {
+                i += 1;
+                if b == b',' {
+                    resume = (i, Some(i));
+                }
+            }
+            last = Some(i);
+        }
+        self.pos = i;
+        last
+    }
+}
+
+/// Whether `b` (followed by `next`) may begin a token that is not plain (see
+/// [`Lexer::skip_plain`]).
+#[inline]
+fn stops(b: u8, next: Option<u8>) -> bool {
+    CLASSES[usize::from(b)] & STOP != 0
+        || (b == b'-' && next == Some(b'-'))
+        || (b == b'/' && next == Some(b'*'))
+}
+
 impl Iterator for Lexer<'_> {
     type Item = Tok;
 
@@ -371,6 +436,10 @@ const IDENT_START: u8 = 2;
 const IDENT_CONT: u8 = 4;
 const TAG_CONT: u8 = 8;
 const OP: u8 = 16;
+/// Identifier bytes but `$`, and `&` (of `U&'..'`): see [`Lexer::skip_plain`].
+const RUN: u8 = 32;
+/// Bytes that begin a token other than a plain one: see [`Lexer::skip_plain`].
+const STOP: u8 = 64;
 
 const CLASSES: [u8; 256] = {
     let mut table = [0u8; 256];
@@ -392,6 +461,12 @@ const CLASSES: [u8; 256] = {
         }
         if c == b'$' {
             class |= IDENT_CONT;
+        }
+        if (c.is_ascii_alphanumeric() || c == b'_' || c >= 0x80) || c == b'&' {
+            class |= RUN;
+        }
+        if matches!(c, b'\'' | b'"' | b'$' | b';' | b'(' | b')') {
+            class |= STOP;
         }
         if matches!(
             c,

@@ -115,6 +115,18 @@ impl<'a> Scan<'a> {
         self.depth == 0 && self.atomic_depth == 0
     }
 
+    /// Whether the first word alone decided the kind (see [`head_decides`]).
+    pub(super) fn head_decides(&self) -> bool {
+        self.head_decides
+    }
+
+    /// Extends the statement to `end` (past plain tokens that were skipped).
+    pub(super) fn extend_to(&mut self, end: usize) {
+        if let Some((_, e)) = &mut self.span {
+            *e = end;
+        }
+    }
+
     pub(super) fn extend(&mut self, tok: Tok) {
         self.span = Some(match self.span {
             None => (tok.start, tok.end),
