@@ -315,29 +315,30 @@ impl Analysis {
     }
 }
 
-/// See [`Analysis::mentions_fencing`]. One pass over the token: stops at `f`, `s` (any case)
-/// and `\\` only (`b | 0x20` folds case, and maps `\\` to `|`).
+/// See [`Analysis::mentions_fencing`]. One pass over the token: both words end in `g`, so
+/// it stops only at a `g` (any case) far enough in to end one, and at `\\` in quoted text
+/// (`b | 0x20` folds case, and maps `\\` to `|`).
 #[inline]
 fn mentions_fencing(kind: TokKind, text: &[u8]) -> bool {
+    const FENCING: &[u8] = b"fencing";
     let escapes = match kind {
-        TokKind::Ident if text.len() < b"fencing".len() => return false,
+        TokKind::Ident if text.len() < FENCING.len() => return false,
         TokKind::Ident => false,
         TokKind::QuotedIdent | TokKind::String => true,
         _ => return false,
     };
-    let starts = |at: usize, word: &[u8]| {
-        text.get(at..at + word.len())
-            .is_some_and(|t| t.eq_ignore_ascii_case(word))
+    let ends = |at: usize, word: &[u8]| {
+        at + 1 >= word.len() && text[at + 1 - word.len()..=at].eq_ignore_ascii_case(word)
     };
-    let mut from = 0;
-    while let Some(n) = text[from..]
-        .iter()
-        .position(|&b| matches!(b | 0x20, b'f' | b's' | b'|'))
+    // An identifier has no `\\`: its first `g` that matters is the seventh byte.
+    let mut from = if escapes { 0 } else { FENCING.len() - 1 };
+    while let Some(n) = text
+        .get(from..)
+        .and_then(|t| t.iter().position(|&b| matches!(b | 0x20, b'g' | b'|')))
     {
         let at = from + n;
         let found = match text[at] {
-            b'f' | b'F' => starts(at, b"fencing"),
-            b's' | b'S' => starts(at, b"set_config"),
+            b'g' | b'G' => ends(at, FENCING) || ends(at, b"set_config"),
             b'\\' => escapes,
             _ => false,
         };
