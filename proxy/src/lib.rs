@@ -6,6 +6,7 @@
 
 pub mod admin;
 pub mod cancel;
+mod deadline;
 pub mod error;
 pub mod install;
 pub mod metrics;

@@ -23,7 +23,9 @@ use crate::state::Shared;
 
 /// Threads that run client sessions, each with its own single-threaded runtime (and so
 /// its own I/O driver): a session's reads, writes and wakeups stay on one thread, without
-/// the work-stealing scheduler's bookkeeping. Sessions are dealt out round-robin.
+/// the work-stealing scheduler's bookkeeping. Sessions are dealt out round-robin. Their
+/// runtimes have no timer (see [`crate::deadline`]): nothing that runs on them may use
+/// `tokio::time`.
 #[derive(Debug)]
 pub struct Workers {
     handles: Vec<tokio::runtime::Handle>,
@@ -33,10 +35,12 @@ pub struct Workers {
 impl Workers {
     /// Starts `n` worker threads (at least one).
     pub fn start(n: usize) -> std::io::Result<Workers> {
+        crate::deadline::start()?;
         let mut handles = Vec::new();
         for i in 0..n.max(1) {
+            // No timer: sessions time out with `crate::deadline`, which costs a park nothing.
             let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
+                .enable_io()
                 .build()?;
             handles.push(runtime.handle().clone());
             std::thread::Builder::new()

@@ -201,7 +201,7 @@ async fn run_session(
     let _ = client.set_nodelay(true);
     let mut cbuf = BytesMut::with_capacity(READ_CHUNK);
     let startup = tokio::select! {
-        r = tokio::time::timeout(config.limits.startup_timeout, read_startup(&mut client, &mut cbuf)) => match r {
+        r = crate::deadline::timeout(config.limits.startup_timeout, read_startup(&mut client, &mut cbuf)) => match r {
             Ok(r) => r,
             Err(_) => Err(SessionError::StartupTimeout(config.limits.startup_timeout)),
         },
@@ -547,7 +547,7 @@ impl Session {
     ) -> SessionError {
         e.to_client(&mut self.to_client);
         // A client that does not read cannot hold the session task forever.
-        let _ = tokio::time::timeout(FAIL_WRITE_TIMEOUT, cw.write_all(&self.to_client)).await;
+        let _ = crate::deadline::timeout(FAIL_WRITE_TIMEOUT, cw.write_all(&self.to_client)).await;
         e
     }
 
@@ -662,7 +662,7 @@ impl Session {
     /// be reset, else ends the server session with Terminate.
     async fn release(&mut self, mut server: TcpStream, born: Instant, key: Option<PoolKey>) {
         if let Some(key) = key.filter(|_| self.poolable()) {
-            match tokio::time::timeout(RESET_TIMEOUT, self.reset(&mut server)).await {
+            match crate::deadline::timeout(RESET_TIMEOUT, self.reset(&mut server)).await {
                 Ok(Ok(())) => {
                     if let Ok(stream) = server.into_std() {
                         let login = std::mem::take(&mut self.login);
@@ -686,7 +686,7 @@ impl Session {
             }
         }
         let terminate = &crate::protocol::message::TERMINATE;
-        let _ = tokio::time::timeout(FAIL_WRITE_TIMEOUT, server.write_all(terminate)).await;
+        let _ = crate::deadline::timeout(FAIL_WRITE_TIMEOUT, server.write_all(terminate)).await;
     }
 
     /// `DISCARD ALL` (PgBouncer's `server_reset_query`): drops what the session left

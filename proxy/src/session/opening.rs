@@ -26,7 +26,8 @@ pub(super) async fn tell_client(
 
 pub(super) async fn connect_upstream(config: &Config) -> Result<TcpStream, String> {
     let target = (config.upstream.host.as_str(), config.upstream.port);
-    match tokio::time::timeout(config.limits.connect_timeout, TcpStream::connect(target)).await {
+    match crate::deadline::timeout(config.limits.connect_timeout, TcpStream::connect(target)).await
+    {
         Ok(Ok(s)) => {
             let _ = s.set_nodelay(true);
             Ok(s)
