@@ -51,6 +51,8 @@ fn wait_refused(addr: SocketAddr) {
     loop {
         match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
             Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => return,
+            // The listener closed with this probe in its queue: the next one is refused.
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
             Err(e) => panic!("connecting to {addr}: {e}"),
             Ok(_) => {}
         }
