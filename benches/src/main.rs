@@ -62,6 +62,8 @@ fn run(args: &Args) -> Result<bool> {
     proc::watch_signals()?;
     let started = SystemTime::now();
     let load_start = load_average();
+    // The code measured is the code at the start: commits made during a run do not count.
+    let git = workspace_git();
     let programs = Programs::find(args)?;
     let mut stack = Stack::start_postgres(args, programs)?;
     let db = Db::new(Login::new(&args.user, &args.database))?;
@@ -147,7 +149,7 @@ fn run(args: &Args) -> Result<bool> {
     };
     let bench_fence_after = fence_of(RESOURCE)?.map(|t| t.to_string());
 
-    let environment = environment(args, &stack, &db, load_start)?;
+    let environment = environment(args, &stack, &db, load_start, git)?;
     let report = Report {
         started_utc: utc(started, true),
         command: args.reproduce(),
@@ -219,7 +221,13 @@ fn write_report(
     Ok(dir)
 }
 
-fn environment(args: &Args, stack: &Stack, db: &Db, load_start: String) -> Result<Environment> {
+fn environment(
+    args: &Args,
+    stack: &Stack,
+    db: &Db,
+    load_start: String,
+    pgfence_git: Option<String>,
+) -> Result<Environment> {
     let first_line = |program: &Path, arg: &str| {
         Command::new(program)
             .arg(arg)
@@ -251,17 +259,6 @@ fn environment(args: &Args, stack: &Stack, db: &Db, load_start: String) -> Resul
             s
         }
     };
-    let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap_or(Path::new("."));
-    let git = Command::new("git")
-        .arg("-C")
-        .arg(workspace)
-        .args(["describe", "--always", "--dirty"])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| format!("git {}", String::from_utf8_lossy(&o.stdout).trim()));
     Ok(Environment {
         cpus: std::thread::available_parallelism()
             .map(|n| n.get())
@@ -278,12 +275,27 @@ fn environment(args: &Args, stack: &Stack, db: &Db, load_start: String) -> Resul
             .pgbouncer
             .as_ref()
             .map(|p| first_line(p, "--version")),
-        pgfence_git: git,
+        pgfence_git,
         server,
         pgfence_threads: args.pgfence_threads.unwrap_or_else(|| {
             std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
         }),
     })
+}
+
+/// `git describe --always --dirty` of the workspace, if it is a git checkout.
+fn workspace_git() -> Option<String> {
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap_or(Path::new("."));
+    Command::new("git")
+        .arg("-C")
+        .arg(workspace)
+        .args(["describe", "--always", "--dirty"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| format!("git {}", String::from_utf8_lossy(&o.stdout).trim()))
 }
 
 /// The 1, 5 and 15 minute load averages.

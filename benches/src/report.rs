@@ -39,7 +39,7 @@ pub struct Environment {
     pub postgres: String,
     pub pgbench: String,
     pub pgbouncer: Option<String>,
-    /// `git describe --always --dirty` of the workspace.
+    /// `git describe --always --dirty` of the workspace when the run started.
     pub pgfence_git: Option<String>,
     /// "throwaway (settings ...)" or "--upstream HOST:PORT".
     pub server: String,
