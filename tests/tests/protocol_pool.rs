@@ -343,11 +343,32 @@ async fn server_gone_while_idle_is_replaced() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_out_of_slots_frees_kept_connections() {
+    // Five slots for the test, and one for a direct connection that waits until no other
+    // backend is left (the setup's psql may still be exiting on a loaded machine) and
+    // stays, so that its own exit cannot take a slot later.
     let cluster = PgCluster::builder()
-        .setting("max_connections", "5")
+        .setting("max_connections", "6")
         .setting("superuser_reserved_connections", "0")
         .start();
     let proxy = proxy_with(&cluster, |_| {});
+    let direct = cluster.connect(APP_DB).await;
+    let start = Instant::now();
+    loop {
+        let others: i64 = direct
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if others == 0 {
+            break;
+        }
+        assert!(start.elapsed() < WAIT, "{others} other backends left");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let named = |name: &str| format!("{} application_name={name}", proxy.connstr(APP_DB));
     // Four sessions that cannot share a kept connection (different startup packets) end:
     // four of the five slots are held by idle connections pgfence keeps.
@@ -369,7 +390,7 @@ async fn server_out_of_slots_frees_kept_connections() {
     let sixth = try_connect_to(&named("sixth")).await.unwrap();
     assert!(backend_pid(&sixth).await > 0);
     assert_eq!(stat(&proxy, "servers_idle").await, 0);
-    drop((fifth, sixth));
+    drop((fifth, sixth, direct));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
