@@ -37,8 +37,6 @@ struct Shard {
 struct Inner {
     /// Upper bounds in nanoseconds (an observation equal to a bound counts in its bucket).
     bounds_ns: [u64; BUCKETS],
-    /// The same bounds in seconds, for the exposition.
-    bounds_secs: [f64; BUCKETS],
     shards: Box<[Shard]>,
 }
 
@@ -53,18 +51,14 @@ impl LatencyHistogram {
     pub fn doubling_from(first: Duration) -> Self {
         let first_ns = u64::try_from(first.as_nanos()).unwrap_or(u64::MAX);
         let mut bounds_ns = [0; BUCKETS];
-        let mut bounds_secs = [0.0; BUCKETS];
-        let (mut ns, mut secs) = (first_ns, first.as_secs_f64());
-        for i in 0..BUCKETS {
-            bounds_ns[i] = ns;
-            bounds_secs[i] = secs;
+        let mut ns = first_ns;
+        for bound in &mut bounds_ns {
+            *bound = ns;
             ns = ns.saturating_mul(2);
-            secs *= 2.0;
         }
         LatencyHistogram {
             inner: Arc::new(Inner {
                 bounds_ns,
-                bounds_secs,
                 shards: (0..SHARDS).map(|_| Shard::default()).collect(),
             }),
         }
@@ -97,9 +91,9 @@ impl LatencyHistogram {
         }
         let buckets = self
             .inner
-            .bounds_secs
+            .bounds_ns
             .iter()
-            .copied()
+            .map(|&ns| ns as f64 / 1e9)
             .chain([f64::MAX])
             .zip(counts)
             .collect();
