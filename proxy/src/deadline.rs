@@ -17,7 +17,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -40,23 +40,26 @@ struct State {
 /// Deadlines not yet passed, with the timeouts that wait for them (gone once dropped).
 static LIST: Mutex<Vec<(Instant, Weak<State>)>> = Mutex::new(Vec::new());
 /// The thread that fires deadlines, once started.
-static THREAD: OnceLock<std::thread::Thread> = OnceLock::new();
-static STARTING: Mutex<()> = Mutex::new(());
+static THREAD: Mutex<Option<std::thread::Thread>> = Mutex::new(None);
 
 /// Starts the thread that fires deadlines, if it is not running yet. The proxy calls this
 /// when it starts, so that a failure shows there; a timeout started before would start it.
 pub fn start() -> std::io::Result<()> {
-    if THREAD.get().is_some() {
-        return Ok(());
+    wake_or_start().map(|_| ())
+}
+
+/// Wakes the thread that fires deadlines, or starts it: `true` if it was running.
+fn wake_or_start() -> std::io::Result<bool> {
+    let mut thread = THREAD.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(thread) = &*thread {
+        thread.unpark();
+        return Ok(true);
     }
-    let _starting = STARTING.lock().unwrap_or_else(PoisonError::into_inner);
-    if THREAD.get().is_none() {
-        let handle = std::thread::Builder::new()
-            .name("pgfence-deadlines".to_owned())
-            .spawn(fire_deadlines)?;
-        let _ = THREAD.set(handle.thread().clone());
-    }
-    Ok(())
+    let handle = std::thread::Builder::new()
+        .name("pgfence-deadlines".to_owned())
+        .spawn(fire_deadlines)?;
+    *thread = Some(handle.thread().clone());
+    Ok(false)
 }
 
 fn fire_deadlines() {
@@ -100,13 +103,8 @@ fn register(at: Instant) -> Arc<State> {
         list.len() == 1
     };
     if was_empty {
-        match THREAD.get() {
-            Some(thread) => thread.unpark(),
-            None => {
-                if let Err(e) = start() {
-                    tracing::error!(error = %e, "cannot start the thread that fires timeouts: sessions will not time out");
-                }
-            }
+        if let Err(e) = wake_or_start() {
+            tracing::error!(error = %e, "cannot start the thread that fires timeouts: sessions will not time out");
         }
     }
     state
