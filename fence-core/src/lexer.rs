@@ -410,6 +410,7 @@ fn stops(b: u8, next: Option<u8>) -> bool {
 impl Iterator for Lexer<'_> {
     type Item = Tok;
 
+    #[inline]
     fn next(&mut self) -> Option<Tok> {
         while self.sql.get(self.pos).is_some_and(|&b| is_space(b)) {
             self.pos += 1;

@@ -163,6 +163,7 @@ impl<'a> Scan<'a> {
     }
 
     /// [`Self::feed`] while the words matter.
+    #[inline]
     fn feed_words(&mut self, tok: Tok) {
         let mut buf = [0u8; MAX_WORD_LEN];
         let lower = match tok.kind {
