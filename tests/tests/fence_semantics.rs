@@ -1022,6 +1022,44 @@ async fn non_transactional_statements_are_prechecked() {
     assert_eq!(fx.count("pg_class WHERE relname = 'nt_current'").await, 1);
 }
 
+/// The pre-check is forced: it rejects a stale token whether or not anything was written,
+/// unlike the commit checks a session ran before it. pgfence keeps the check's message of
+/// each kind per session and must not hand the pre-check a commit's (the fast path is off,
+/// so that the pre-check alone decides).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pre_check_after_commit_checks_is_still_forced() {
+    let fx = Fixture::start("CREATE TABLE pf (tag text);", |c| {
+        c.fence.fast_path = false;
+    })
+    .await;
+    let r = "forced";
+    let vacuums = "pg_stat_user_tables WHERE relname = 'pf' AND vacuum_count > 0";
+    for (token, protocol) in (1..).zip(PROTOCOLS) {
+        let mut was_leader = fx.leader(r, token).await;
+        // Writes that write nothing: checked before their Sync, and they pass.
+        for _ in 0..2 {
+            was_leader
+                .extended("UPDATE pf SET tag = tag WHERE false")
+                .await
+                .unwrap();
+        }
+        fx.leader(r, token + 1)
+            .await
+            .simple("INSERT INTO pf VALUES ('next')")
+            .await
+            .unwrap();
+        was_leader
+            .expect_rejection(
+                protocol,
+                &["VACUUM pf"],
+                &stale(r, token, token + 1),
+                "after commit checks",
+            )
+            .await;
+    }
+    assert_eq!(fx.count(vacuums).await, 0, "a stale VACUUM ran");
+}
+
 /// A session that starts without any fencing setting gets the guarded check
 /// (`GUARDED_CHECK_SQL`), which skips `pgfence.check` while the server session has no
 /// fencing settings. Settings made where pgfence cannot see them (`set_config()` inside a

@@ -4,6 +4,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::time::SystemTime;
 
+use bytes::BytesMut;
 use fence_core::directive::Directive;
 use fence_core::rejection::Rejection;
 use fence_core::sql::{self, CheckArgs};
@@ -54,6 +55,9 @@ pub struct FenceSettings {
     pub check_prepared: bool,
     pub guarded_check_prepared: bool,
     pub fast_reject_prepared: bool,
+    /// The check's Bind message for a transaction without fencing comments, which depends
+    /// only on these settings: built once per statement (`[plain, guarded]`) and `force`.
+    binds: [[Option<Box<[u8]>>; 2]; 2],
     /// The session has shown signs of being fenced (fencing settings at startup, a default
     /// resource, or its last check accepted a token): its checks skip the guard of
     /// [`sql::GUARDED_CHECK_SQL`], which would only cost them. Either statement is correct.
@@ -107,6 +111,7 @@ impl FenceSettings {
             check_prepared: false,
             guarded_check_prepared: false,
             fast_reject_prepared: false,
+            binds: Default::default(),
             looks_fenced,
         }
     }
@@ -202,8 +207,26 @@ impl Session {
     /// Injects the check (extended protocol messages) into the upstream stream, here.
     pub(super) fn inject_check(&mut self, force: bool) {
         let statement = self.prepare_check();
-        let params = sql::check_params(&self.check_args(force));
-        msg::bind_text(&mut self.to_server, CHECK_NAME, statement, &params);
+        if self.tx.directives.is_empty() {
+            let (g, f) = (
+                usize::from(statement == GUARDED_CHECK_NAME),
+                usize::from(force),
+            );
+            let bind = match self.fence.binds[g][f].take() {
+                Some(bind) => bind,
+                None => {
+                    let mut bind = BytesMut::new();
+                    let params = sql::check_params(&self.check_args(force));
+                    msg::bind_text(&mut bind, CHECK_NAME, statement, &params);
+                    bind.to_vec().into_boxed_slice()
+                }
+            };
+            self.to_server.extend_from_slice(&bind);
+            self.fence.binds[g][f] = Some(bind);
+        } else {
+            let params = sql::check_params(&self.check_args(force));
+            msg::bind_text(&mut self.to_server, CHECK_NAME, statement, &params);
+        }
         self.replies
             .push(Request::Bind, Origin::Injected(Injected::Check));
         msg::execute(&mut self.to_server, CHECK_NAME);
