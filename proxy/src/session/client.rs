@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use fence_core::classify::{analyze_with, StatementKind};
+use fence_core::classify::{analyze_with, Analysis, StatementKind};
 use fence_core::lexer::{is_keyword, LexOptions, Lexer, TokKind};
 
 use crate::error::SessionError;
@@ -11,7 +11,7 @@ use crate::protocol::message::{self as msg, Frontend};
 
 use super::replies::{AfterCheck, QueryPlan, Request};
 use super::tx::View;
-use super::{CommitCheck, CopyIn, Flow, Hold, Prepared, Session};
+use super::{CommitCheck, CopyIn, Flow, Hold, Prepared, Remembered, Session};
 
 /// Whether `sql` is `COPY ... FROM STDIN`: `COPY` first, then `FROM STDIN` outside
 /// parentheses (so not the `FROM` of `COPY (SELECT ... FROM t) TO STDOUT`).
@@ -121,15 +121,19 @@ impl Session {
     }
 
     fn prepared(&mut self, sql: &[u8]) -> Arc<Prepared> {
+        Arc::new(Prepared {
+            sql: sql.into(),
+            copy_in: is_copy_from_stdin(sql, self.lex),
+            analysis: self.analyze(sql),
+        })
+    }
+
+    fn analyze(&mut self, sql: &[u8]) -> Analysis {
         let analysis = analyze_with(sql, self.lex);
         if analysis.mentions_fencing {
             self.fence.forget_session_token();
         }
-        Arc::new(Prepared {
-            sql: sql.into(),
-            copy_in: is_copy_from_stdin(sql, self.lex),
-            analysis,
-        })
+        analysis
     }
 
     /// A held message comes back: `Some(true)` when pgfence's precheck passed, `Some(false)`
@@ -152,12 +156,12 @@ impl Session {
     fn on_query(&mut self, frame: &[u8]) -> Result<Flow, SessionError> {
         let sql = msg::query_text(frame).ok_or(SessionError::MalformedClientMessage("Query"))?;
         self.shared.stats.queries.add();
-        let prepared = self.prepared(sql);
-        if prepared.analysis.may_write() {
-            self.last_write = Some(prepared.clone());
+        // Analysed where it lies, without the copies a prepared statement keeps.
+        let analysis = &self.analyze(sql);
+        if analysis.may_write() {
+            Remembered::query(&mut self.last_write, sql);
         }
-        self.last_sql = Some(prepared.clone());
-        let analysis = &prepared.analysis;
+        Remembered::query(&mut self.last_sql, sql);
         if analysis
             .statements
             .iter()
@@ -207,7 +211,7 @@ impl Session {
             if let Some((resource, token, fence)) =
                 self.fence.stale(&analysis.directives, &self.shared.fences)
             {
-                return Ok(self.fast_reject_query(&prepared, resource, token, fence));
+                return Ok(self.fast_reject_query(analysis, resource, token, fence));
             }
         }
         self.tx.add_directives(&analysis.directives);
@@ -279,14 +283,13 @@ impl Session {
     /// A simple Query that would write with a known-stale token.
     fn fast_reject_query(
         &mut self,
-        prepared: &Prepared,
+        analysis: &Analysis,
         resource: fence_core::token::Resource,
         token: fence_core::token::Token,
         fence: i64,
     ) -> Flow {
         let rejection = fence_core::rejection::Rejection::stale(&resource, token, fence);
-        if self.tx.view == View::Idle && self.replies.is_empty() && !prepared.analysis.tx_control()
-        {
+        if self.tx.view == View::Idle && self.replies.is_empty() && !analysis.tx_control() {
             // Nothing open upstream: answer without a round trip.
             self.report_rejection(&rejection, "fast");
             msg::error_response(
@@ -438,9 +441,9 @@ impl Session {
             });
         if let Some(p) = &prepared {
             if p.analysis.may_write() {
-                self.last_write = Some(p.clone());
+                self.last_write = Some(Remembered::Prepared(p.clone()));
             }
-            self.last_sql = Some(p.clone());
+            self.last_sql = Some(Remembered::Prepared(p.clone()));
         }
         if kind == StatementKind::Discard {
             self.fence.forget_prepared();

@@ -396,7 +396,7 @@ impl Session {
             .last_write
             .as_ref()
             .or(self.last_sql.as_ref())
-            .map(|p| truncate_chars(&String::from_utf8_lossy(&p.sql), 200))
+            .map(|p| truncate_chars(&String::from_utf8_lossy(p.text()), 200))
             .unwrap_or_default();
         let resource = rejection.resource.clone().unwrap_or_default();
         let token = rejection.token.clone().unwrap_or_default();
