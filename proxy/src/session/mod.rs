@@ -12,6 +12,7 @@ mod client;
 mod fence;
 mod login;
 mod opening;
+mod readable;
 pub mod replies;
 mod server;
 pub mod tx;
@@ -37,6 +38,7 @@ use crate::state::Shared;
 
 use self::fence::FenceSettings;
 use self::opening::{connect_upstream, read_startup, tell_client, Opening};
+use self::readable::Readable;
 use self::replies::Replies;
 use self::tx::TxState;
 
@@ -463,6 +465,8 @@ impl Session {
         let mut sbuf = BytesMut::with_capacity(READ_CHUNK);
         let (mut cr, mut cw) = client.split();
         let (mut sr, mut sw) = server.split();
+        let task = std::future::poll_fn(|cx| std::task::Poll::Ready(cx.waker().clone())).await;
+        let (server_readable, client_readable) = (Readable::new(&task), Readable::new(&task));
         let mut client_open = true;
         // `drain` is polled once, here, which registers this task to be woken when it is
         // cancelled; after that each turn only reads the token's flag (see
@@ -509,7 +513,7 @@ impl Session {
             tokio::select! {
                 // Replies first: they free the client's buffers soonest.
                 biased;
-                r = sr.read_buf(&mut sbuf), if read_server => {
+                r = server_readable.read(&mut sr, &mut sbuf), if read_server => {
                     let n = r.map_err(SessionError::ServerIo)?;
                     if n == 0 {
                         // The server closed: pass on whatever it said last.
@@ -527,7 +531,7 @@ impl Session {
                         client_pending = true;
                     }
                 }
-                r = cr.read_buf(&mut cbuf), if read_client => {
+                r = client_readable.read(&mut cr, &mut cbuf), if read_client => {
                     let n = r.map_err(SessionError::ClientIo)?;
                     if n == 0 {
                         // The client went away without Terminate: as if it had sent one.
