@@ -112,7 +112,7 @@ impl Backend {
 /// Splits a NUL-terminated string off the front of `buf`.
 #[inline]
 pub fn cstr(buf: &[u8]) -> Option<(&[u8], &[u8])> {
-    let end = buf.iter().position(|&b| b == 0)?;
+    let end = memchr::memchr(0, buf)?;
     Some((&buf[..end], &buf[end + 1..]))
 }
 
