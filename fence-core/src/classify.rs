@@ -246,7 +246,8 @@ pub fn analyze_with(sql: &[u8], options: LexOptions) -> Analysis {
 }
 
 /// [`analyze_with`]; `skip` lets a statement whose first word decided its kind skip plain
-/// tokens (the tests compare with the token-by-token walk).
+/// tokens, and a query keep only what its kind depends on (the tests compare both with
+/// the full token-by-token walk).
 #[inline(always)]
 fn analyze_impl(sql: &[u8], options: LexOptions, skip: bool) -> Analysis {
     let mut out = Analysis::default();
@@ -269,6 +270,10 @@ fn analyze_impl(sql: &[u8], options: LexOptions, skip: bool) -> Analysis {
         }
         if !out.mentions_fencing {
             out.mentions_fencing = mentions_fencing(tok.kind, tok.text(sql));
+        }
+        if skip && scan.is_query() {
+            scan.feed_query(tok);
+            continue;
         }
         scan.feed(tok);
         if skip && scan.head_decides() {

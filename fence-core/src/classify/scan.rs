@@ -10,6 +10,10 @@ const MAX_WORDS: usize = 6;
 /// The longest word compared with the word lists; longer words match none of them.
 pub(super) const MAX_WORD_LEN: usize = 32;
 
+/// The longest word that sets a fact a query's kind depends on (`insert`, `delete`,
+/// `update`; see [`Scan::feed_query`]).
+const QUERY_WORD_LEN: usize = 6;
+
 /// Facts about a statement's text, gathered token by token; each is independent.
 #[derive(Debug, Clone, Copy, Default)]
 struct Seen {
@@ -65,6 +69,9 @@ pub(super) struct Scan<'a> {
     /// The first word alone decides the kind (see [`head_decides`]): the rest of the
     /// statement is only followed for where it ends.
     head_decides: bool,
+    /// A query (`SELECT`, `VALUES`, `TABLE`, `WITH`, `DECLARE`, `(`): its kind follows from
+    /// [`Seen`] alone, not from its words after the first (see [`Self::feed_query`]).
+    query: bool,
 }
 
 const NO_TOK: Tok = Tok {
@@ -89,6 +96,7 @@ impl<'a> Scan<'a> {
             seen: Seen::default(),
             columns: MaybeColumns::No,
             head_decides: false,
+            query: false,
         }
     }
 
@@ -104,6 +112,7 @@ impl<'a> Scan<'a> {
         self.seen = Seen::default();
         self.columns = MaybeColumns::No;
         self.head_decides = false;
+        self.query = false;
     }
 
     /// The first top-level words recorded.
@@ -118,6 +127,11 @@ impl<'a> Scan<'a> {
     /// Whether the first word alone decided the kind (see [`head_decides`]).
     pub(super) fn head_decides(&self) -> bool {
         self.head_decides
+    }
+
+    /// Whether the statement is a query (see [`Self::feed_query`]).
+    pub(super) fn is_query(&self) -> bool {
+        self.query
     }
 
     /// Extends the statement to `end` (past plain tokens that were skipped).
@@ -177,6 +191,16 @@ impl<'a> Scan<'a> {
             self.n_tokens = 1;
             return;
         }
+        if self.n_tokens == 0 {
+            self.query = match tok.kind {
+                TokKind::LParen => true,
+                TokKind::Ident => matches!(
+                    lower,
+                    b"select" | b"values" | b"table" | b"with" | b"declare"
+                ),
+                _ => false,
+            };
+        }
         self.advance_columns(tok, lower);
         match tok.kind {
             TokKind::Ident => self.note_word(lower),
@@ -197,6 +221,42 @@ impl<'a> Scan<'a> {
         if self.columns == (MaybeColumns::List { depth: self.depth }) && tok.kind == TokKind::RParen
         {
             self.columns = MaybeColumns::AfterList;
+        }
+        self.prev_at = (self.prev_at + 1) % 4;
+        self.prev[self.prev_at] = Some(tok);
+        self.n_tokens += 1;
+    }
+
+    /// [`Self::feed`] after the first token of a query, whose kind only [`Seen::call`],
+    /// [`Seen::into`], [`Seen::dml`] and [`Seen::lock`] decide: the words after the first
+    /// are not kept, and a word is only compared with the word lists when it is short
+    /// enough to be one that sets those facts (or while a `WITH` column list is pending).
+    #[inline]
+    pub(super) fn feed_query(&mut self, tok: Tok) {
+        self.extend(tok);
+        let mut buf = [0u8; MAX_WORD_LEN];
+        let lower = match tok.kind {
+            TokKind::Ident
+                if tok.end - tok.start <= QUERY_WORD_LEN || self.columns != MaybeColumns::No =>
+            {
+                lower(self.text(tok), &mut buf)
+            }
+            _ => &[],
+        };
+        self.advance_columns(tok, lower);
+        match tok.kind {
+            TokKind::Ident => self.note_word(lower),
+            TokKind::LParen => {
+                self.note_lparen();
+                self.depth += 1;
+            }
+            TokKind::RParen => {
+                self.depth = self.depth.saturating_sub(1);
+                if self.columns == (MaybeColumns::List { depth: self.depth }) {
+                    self.columns = MaybeColumns::AfterList;
+                }
+            }
+            _ => {}
         }
         self.prev_at = (self.prev_at + 1) % 4;
         self.prev[self.prev_at] = Some(tok);
