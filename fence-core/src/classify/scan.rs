@@ -201,30 +201,14 @@ impl<'a> Scan<'a> {
                 _ => false,
             };
         }
-        self.advance_columns(tok, lower);
-        match tok.kind {
-            TokKind::Ident => self.note_word(lower),
-            TokKind::LParen => self.note_lparen(),
-            _ => {}
-        }
-        if self.depth == 0 && self.n_words < MAX_WORDS && tok.kind != TokKind::RParen {
-            self.words[self.n_words] = tok;
-        }
+        self.note(tok, lower);
         if self.depth == 0 && tok.kind != TokKind::RParen {
+            if self.n_words < MAX_WORDS {
+                self.words[self.n_words] = tok;
+            }
             self.n_words += 1;
         }
-        match tok.kind {
-            TokKind::LParen => self.depth += 1,
-            TokKind::RParen => self.depth = self.depth.saturating_sub(1),
-            _ => {}
-        }
-        if self.columns == (MaybeColumns::List { depth: self.depth }) && tok.kind == TokKind::RParen
-        {
-            self.columns = MaybeColumns::AfterList;
-        }
-        self.prev_at = (self.prev_at + 1) % 4;
-        self.prev[self.prev_at] = Some(tok);
-        self.n_tokens += 1;
+        self.advance(tok);
     }
 
     /// [`Self::feed`] after the first token of a query, whose kind only [`Seen::call`],
@@ -243,13 +227,27 @@ impl<'a> Scan<'a> {
             }
             _ => &[],
         };
+        self.note(tok, lower);
+        self.advance(tok);
+    }
+
+    /// The facts `tok` carries (`lower`: its text in lower case, if it is a word that
+    /// matters) and the `WITH` column-list decision.
+    #[inline]
+    fn note(&mut self, tok: Tok, lower: &[u8]) {
         self.advance_columns(tok, lower);
         match tok.kind {
             TokKind::Ident => self.note_word(lower),
-            TokKind::LParen => {
-                self.note_lparen();
-                self.depth += 1;
-            }
+            TokKind::LParen => self.note_lparen(),
+            _ => {}
+        }
+    }
+
+    /// Moves past `tok`: the nesting, the end of a `WITH` column list, the last tokens.
+    #[inline]
+    fn advance(&mut self, tok: Tok) {
+        match tok.kind {
+            TokKind::LParen => self.depth += 1,
             TokKind::RParen => {
                 self.depth = self.depth.saturating_sub(1);
                 if self.columns == (MaybeColumns::List { depth: self.depth }) {
