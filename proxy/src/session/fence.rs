@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::time::SystemTime;
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use fence_core::directive::Directive;
 use fence_core::rejection::Rejection;
 use fence_core::sql::{self, CheckArgs};
@@ -57,7 +57,7 @@ pub struct FenceSettings {
     pub fast_reject_prepared: bool,
     /// The check's Bind message for a transaction without fencing comments, which depends
     /// only on these settings: built once per statement (`[plain, guarded]`) and `force`.
-    binds: [[Option<Box<[u8]>>; 2]; 2],
+    binds: [[Option<Bytes>; 2]; 2],
     /// The session has shown signs of being fenced (fencing settings at startup, a default
     /// resource, or its last check accepted a token): its checks skip the guard of
     /// [`sql::GUARDED_CHECK_SQL`], which would only cost them. Either statement is correct.
@@ -218,7 +218,7 @@ impl Session {
                     let mut bind = BytesMut::new();
                     let params = sql::check_params(&self.check_args(force));
                     msg::bind_text(&mut bind, CHECK_NAME, statement, &params);
-                    bind.to_vec().into_boxed_slice()
+                    bind.freeze()
                 }
             };
             self.to_server.extend_from_slice(&bind);
