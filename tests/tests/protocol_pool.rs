@@ -45,7 +45,8 @@ async fn backend_pid(client: &Client) -> i32 {
 
 /// One value of the admin console's SHOW STATS.
 async fn stat(proxy: &Proxy, name: &str) -> u64 {
-    let console = connect_to(&proxy.connstr("pgfence")).await;
+    // The console logs in to the server: it needs a slot too.
+    let console = connect_retrying(&proxy.connstr("pgfence")).await;
     for message in console.simple_query("SHOW STATS").await.unwrap() {
         if let SimpleQueryMessage::Row(row) = message {
             if row.get(0) == Some(name) {
@@ -343,15 +344,18 @@ async fn server_gone_while_idle_is_replaced() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_out_of_slots_frees_kept_connections() {
-    // Five slots for the test, and one for a direct connection that waits until no other
-    // backend is left (the setup's psql may still be exiting on a loaded machine) and
-    // stays, so that its own exit cannot take a slot later.
+    // Eight slots: the test's direct connection, four connections pgfence keeps, and three
+    // more direct ones that fill the server. A backend leaves pg_stat_activity before it
+    // gives its slot back, and each SHOW STATS is an admin session that logs in to the
+    // server: on a loaded machine a slot can still be taken a moment after its connection
+    // ended, so the test's own logins retry a refusal (pgfence's clients do not).
     let cluster = PgCluster::builder()
-        .setting("max_connections", "6")
+        .setting("max_connections", "8")
         .setting("superuser_reserved_connections", "0")
         .start();
     let proxy = proxy_with(&cluster, |_| {});
-    let direct = cluster.connect(APP_DB).await;
+    let direct = connect_retrying(&cluster.connstr(APP_DB)).await;
+    // The setup's own connections gone, as far as pg_stat_activity tells.
     let start = Instant::now();
     loop {
         let others: i64 = direct
@@ -371,26 +375,50 @@ async fn server_out_of_slots_frees_kept_connections() {
     }
     let named = |name: &str| format!("{} application_name={name}", proxy.connstr(APP_DB));
     // Four sessions that cannot share a kept connection (different startup packets) end:
-    // four of the five slots are held by idle connections pgfence keeps.
+    // four slots are held by idle connections pgfence keeps.
     let mut open = Vec::new();
     for i in 0..4 {
         open.push(connect_to(&named(&format!("kept{i}"))).await);
     }
     drop(open);
     wait_idle_servers(&proxy, 4).await;
+    let mut fillers = Vec::new();
+    for i in 0..3 {
+        let connstr = format!("{} application_name=filler{i}", cluster.connstr(APP_DB));
+        fillers.push(connect_retrying(&connstr).await);
+    }
 
-    let fifth = connect_to(&named("fifth")).await;
     let refused = try_connect_to(&named("sixth")).await;
     assert_eq!(
         harness::fence::sqlstate(&refused).as_deref(),
         Some("53300"),
         "{refused:?}"
     );
-    // The refusal closed the kept connections: the next try gets in.
-    let sixth = try_connect_to(&named("sixth")).await.unwrap();
+    // The refusal closed the kept connections: a next try gets in once one of their
+    // backends has exited.
+    let sixth = connect_retrying(&named("sixth")).await;
     assert!(backend_pid(&sixth).await > 0);
-    assert_eq!(stat(&proxy, "servers_idle").await, 0);
-    drop((fifth, sixth, direct));
+    assert_eq!(
+        stat(&proxy, "servers_idle").await,
+        0,
+        "kept connections closed"
+    );
+    drop((fillers, sixth, direct));
+}
+
+/// Connects, trying again while the server refuses for lack of slots (53300).
+async fn connect_retrying(connstr: &str) -> tokio_postgres::Client {
+    let start = Instant::now();
+    loop {
+        match try_connect_to(connstr).await {
+            Ok(client) => return client,
+            Err(e) if e.as_db_error().map(|d| d.code().code()) == Some("53300") => {
+                assert!(start.elapsed() < WAIT, "no slot after {WAIT:?}: {connstr}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("could not connect with `{connstr}`: {e:?}"),
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
