@@ -13,7 +13,7 @@ use crate::pgbench::{Bench, Run, Target};
 use crate::plan::{Cell, Mode, Setup, Workload};
 use crate::proc::{self, HOST};
 use crate::stack::{Stack, RESOURCE};
-use crate::stats::median;
+use crate::stats::{median, median_interval, Interval};
 
 /// What pgbench's own `-n`-less start would do before a TPC-B run: the same starting point
 /// for every run. Sent to PostgreSQL directly, outside the timed part, one statement per
@@ -90,20 +90,17 @@ impl CellResult {
             .unwrap_or_default()
     }
 
-    /// The median over rounds of `f(a's run, b's run)`, pairing runs of the same round (they
-    /// ran minutes apart at most, so machine drift between rounds cancels out); `None`
-    /// when no round completed for both.
-    fn paired(&self, a: Setup, b: Setup, f: impl Fn(&Run, &Run) -> Option<f64>) -> Option<f64> {
+    /// `f(a's run, b's run)` for every round both completed, pairing runs of the same round
+    /// (they ran minutes apart at most, so machine drift between rounds cancels out).
+    fn paired(&self, a: Setup, b: Setup, f: impl Fn(&Run, &Run) -> Option<f64>) -> Vec<f64> {
         let rb = self.runs(b);
-        let values: Vec<f64> = self
-            .runs(a)
+        self.runs(a)
             .iter()
             .filter_map(|x| {
                 let y = rb.iter().find(|y| y.round == x.round)?;
                 f(x, y)
             })
-            .collect();
-        median(&values)
+            .collect()
     }
 
     /// In how many rounds `keep(a's run, b's run)` held, out of the rounds both completed.
@@ -134,12 +131,48 @@ impl CellResult {
 
     /// TPS of `a` over TPS of `b`: the median of the rounds' ratios.
     pub fn tps_ratio(&self, a: Setup, b: Setup) -> Option<f64> {
-        self.paired(a, b, |x, y| (y.tps > 0.0).then(|| x.tps / y.tps))
+        median(&self.tps_ratios(a, b))
     }
 
     /// Mean latency `a` adds to `b`, in µs: the median of the rounds' differences.
     pub fn added_latency_us(&self, a: Setup, b: Setup) -> Option<f64> {
+        median(&self.latency_differences_us(a, b))
+    }
+
+    /// [`Self::tps_ratio`] with an interval for it.
+    pub fn tps_ratio_estimate(&self, a: Setup, b: Setup) -> Option<Estimate> {
+        Estimate::of(&self.tps_ratios(a, b))
+    }
+
+    /// [`Self::added_latency_us`] with an interval for it.
+    pub fn added_latency_estimate(&self, a: Setup, b: Setup) -> Option<Estimate> {
+        Estimate::of(&self.latency_differences_us(a, b))
+    }
+
+    fn tps_ratios(&self, a: Setup, b: Setup) -> Vec<f64> {
+        self.paired(a, b, |x, y| (y.tps > 0.0).then(|| x.tps / y.tps))
+    }
+
+    fn latency_differences_us(&self, a: Setup, b: Setup) -> Vec<f64> {
         self.paired(a, b, |x, y| Some((x.mean_ms - y.mean_ms) * 1000.0))
+    }
+}
+
+/// The median of the rounds' paired values, and the interval that holds the true median
+/// with the confidence it states ([`median_interval`]): a median whose interval includes
+/// the target is within this run's noise.
+#[derive(Debug, Clone, Copy)]
+pub struct Estimate {
+    pub median: f64,
+    pub interval: Interval,
+}
+
+impl Estimate {
+    fn of(values: &[f64]) -> Option<Estimate> {
+        Some(Estimate {
+            median: median(values)?,
+            interval: median_interval(values)?,
+        })
     }
 }
 

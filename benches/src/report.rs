@@ -3,7 +3,7 @@
 
 use serde::Serialize;
 
-use crate::measure::CellResult;
+use crate::measure::{CellResult, Estimate};
 use crate::plan::{Setup, Workload};
 use crate::stale::{Memory, StaleRow, Tokens};
 
@@ -270,28 +270,34 @@ fn stale_table(rows: &[StaleRow]) -> Table {
 }
 
 /// The issue's targets (issue 5), each with the figure this run measured.
+///
+/// A verdict compares medians of the rounds' paired values with the target, as the table
+/// does. Each also says whether the run settles it: every figure is the median of a few
+/// noisy rounds, so it carries the interval that holds the true median (`Estimate`), and
+/// a verdict whose intervals reach across the target is "within this run's noise".
 fn targets(r: &Report) -> Vec<String> {
     let mut out = Vec::new();
     let cells = &r.cells;
-    let worst = |num: Setup, den: Setup, filter: &dyn Fn(&CellResult) -> bool| {
+    let ratios = |num: Setup, den: Setup, filter: &dyn Fn(&CellResult) -> bool| {
         cells
             .iter()
             .filter(|c| filter(c))
-            .filter_map(|c| c.tps_ratio(num, den).map(|x| (x, c)))
-            .min_by(|a, b| a.0.total_cmp(&b.0))
+            .filter_map(|c| c.tps_ratio_estimate(num, den).map(|e| (e, c)))
+            .collect::<Vec<_>>()
     };
     let all = |_: &CellResult| true;
-    let verdict = |ok: bool| if ok { "met" } else { "NOT met" };
     // How often the side that should win did, round by round: a median below the target
     // with wins in about half the rounds is within the noise; with none, it is not.
     let won = |(k, n): (usize, usize)| format!("{k} of {n} rounds");
-    if let Some((x, c)) = worst(Setup::NoToken, Setup::Pgbouncer, &all) {
+    if let Some((e, c)) = lowest(&ratios(Setup::NoToken, Setup::Pgbouncer, &all)) {
         out.push(format!(
-            "pgfence without tokens >= PgBouncer in every cell (aim 1.25x): lowest {x:.2}x \
-             ({}; pgfence at least as fast in {}) — {}",
+            "pgfence without tokens >= PgBouncer in every cell (aim 1.25x): lowest {:.2}x \
+             ({}; {}; pgfence at least as fast in {}) — {}",
+            e.median,
             c.label,
+            interval(e, 2),
             won(c.rounds_not_slower(Setup::NoToken, Setup::Pgbouncer)),
-            verdict(x >= 1.0)
+            at_least(&ratios(Setup::NoToken, Setup::Pgbouncer, &all), 1.0)
         ));
     }
     let tpcb = |c: &CellResult| c.cell.workload == Workload::TpcbLike;
@@ -299,38 +305,53 @@ fn targets(r: &Report) -> Vec<String> {
         (Setup::NoToken, "pgfence without tokens"),
         (Setup::NoFence, "pgfence --no-fence"),
     ] {
-        if let Some((x, c)) = worst(Setup::SessionToken, den, &tpcb) {
+        let all_tpcb = ratios(Setup::SessionToken, den, &tpcb);
+        if let Some((e, c)) = lowest(&all_tpcb) {
             out.push(format!(
-                "fenced TPC-B (session token) >= 0.90 of {name} (aim 0.95): lowest {x:.2} \
-                 ({}) — {}",
+                "fenced TPC-B (session token) >= 0.90 of {name} (aim 0.95): lowest {:.2} \
+                 ({}; {}) — {}",
+                e.median,
                 c.label,
-                verdict(x >= 0.90)
+                interval(e, 2),
+                at_least(&all_tpcb, 0.90)
             ));
         }
     }
     let select = |c: &CellResult| c.cell.workload == Workload::SelectOnly;
-    if let Some((x, c)) = worst(Setup::SessionToken, Setup::NoToken, &select) {
+    let all_select = ratios(Setup::SessionToken, Setup::NoToken, &select);
+    if let Some((e, c)) = lowest(&all_select) {
         out.push(format!(
-            "select-only with a session token within 3% of without: lowest {x:.3} ({}) — {}",
+            "select-only with a session token within 3% of without: lowest {:.3} ({}; {}) — {}",
+            e.median,
             c.label,
-            verdict(x >= 0.97)
+            interval(e, 3),
+            at_least(&all_select, 0.97)
         ));
     }
     for c in cells.iter().filter(|c| c.cell.clients == 1) {
-        let (Some(f), Some(b)) = (
+        let (Some(f), Some(b), Some(d)) = (
             c.added_latency_us(Setup::NoToken, Setup::Direct),
             c.added_latency_us(Setup::Pgbouncer, Setup::Direct),
+            c.added_latency_estimate(Setup::NoToken, Setup::Pgbouncer),
         ) else {
             continue;
         };
+        // pgfence's added latency minus PgBouncer's, round by round, is pgfence's latency
+        // minus PgBouncer's: the direct runs cancel out.
+        let i = d.interval;
+        let verdict = verdict_at_most_zero(d);
         out.push(format!(
             "added latency at one client <= PgBouncer's (aim half), {}: pgfence {} µs, \
-             PgBouncer {} µs (pgfence no later in {}) — {}",
+             PgBouncer {} µs; pgfence minus PgBouncer, round by round: median {} µs, \
+             {:.0}% interval {} to {} µs (pgfence no later in {}) — {verdict}",
             c.label,
             signed_us(f),
             signed_us(b),
+            signed_us(d.median),
+            i.confidence * 100.0,
+            signed_us(i.low),
+            signed_us(i.high),
             won(c.rounds_not_later(Setup::NoToken, Setup::Pgbouncer)),
-            verdict(f <= b)
         ));
     }
     if let Some(m) = &r.memory {
@@ -341,10 +362,71 @@ fn targets(r: &Report) -> Vec<String> {
             m.per_session_kib,
             m.rss_before_kib,
             m.rss_after_kib,
-            verdict(m.per_session_kib < 64.0)
+            if m.per_session_kib < 64.0 {
+                "met"
+            } else {
+                "NOT met"
+            }
         ));
     }
     out
+}
+
+/// The verdict on "pgfence minus PgBouncer at most 0", settled when the interval lies on
+/// one side of 0.
+fn verdict_at_most_zero(d: Estimate) -> &'static str {
+    match (
+        d.median <= 0.0,
+        d.interval.high <= 0.0,
+        d.interval.low > 0.0,
+    ) {
+        (true, true, _) => "met",
+        (true, false, _) => "met, within this run's noise",
+        (false, _, true) => "NOT met",
+        (false, _, false) => "NOT met, within this run's noise",
+    }
+}
+
+/// The cell with the lowest median.
+fn lowest<'a>(estimates: &[(Estimate, &'a CellResult)]) -> Option<(Estimate, &'a CellResult)> {
+    estimates
+        .iter()
+        .copied()
+        .min_by(|a, b| a.0.median.total_cmp(&b.0.median))
+}
+
+/// "98% interval 0.89 to 1.02", with `digits` decimals.
+fn interval(e: Estimate, digits: usize) -> String {
+    let i = e.interval;
+    format!(
+        "{:.0}% interval {:.digits$} to {:.digits$}",
+        i.confidence * 100.0,
+        i.low,
+        i.high
+    )
+}
+
+/// The verdict on "at least `target` in every cell": met when every median reaches it;
+/// settled when every interval does too (met), or when some interval lies wholly below it
+/// (not met).
+fn at_least(estimates: &[(Estimate, &CellResult)], target: f64) -> &'static str {
+    let estimates: Vec<Estimate> = estimates.iter().map(|(e, _)| *e).collect();
+    verdict_at_least(&estimates, target)
+}
+
+fn verdict_at_least(estimates: &[Estimate], target: f64) -> &'static str {
+    let met = estimates.iter().all(|e| e.median >= target);
+    if met {
+        if estimates.iter().all(|e| e.interval.low >= target) {
+            "met"
+        } else {
+            "met, within this run's noise"
+        }
+    } else if estimates.iter().any(|e| e.interval.high < target) {
+        "NOT met"
+    } else {
+        "NOT met, within this run's noise"
+    }
 }
 
 /// The terminal report.
@@ -483,6 +565,48 @@ mod tests {
         assert_eq!(thousands(999.0), "999");
         assert_eq!(thousands(1_000_000.0), "1,000,000");
         assert_eq!(thousands(0.2), "0");
+    }
+
+    fn estimate(median: f64, low: f64, high: f64) -> Estimate {
+        Estimate {
+            median,
+            interval: crate::stats::Interval {
+                low,
+                high,
+                confidence: 0.984,
+            },
+        }
+    }
+
+    #[test]
+    fn verdicts_say_whether_the_run_settles_them() {
+        let e = estimate;
+        assert_eq!(verdict_at_least(&[e(1.05, 1.01, 1.10)], 1.0), "met");
+        assert_eq!(
+            verdict_at_least(&[e(1.05, 1.01, 1.10), e(1.02, 0.95, 1.09)], 1.0),
+            "met, within this run's noise"
+        );
+        // One cell below with its whole interval below: settled, whatever the others say.
+        assert_eq!(
+            verdict_at_least(&[e(0.92, 0.88, 0.96), e(0.98, 0.90, 1.05)], 1.0),
+            "NOT met"
+        );
+        assert_eq!(
+            verdict_at_least(&[e(0.98, 0.90, 1.05), e(1.10, 1.05, 1.20)], 1.0),
+            "NOT met, within this run's noise"
+        );
+        // The interval's end on the target counts as reaching it.
+        assert_eq!(verdict_at_least(&[e(0.97, 0.97, 0.99)], 0.97), "met");
+        assert_eq!(verdict_at_most_zero(e(-15.0, -40.0, -2.0)), "met");
+        assert_eq!(
+            verdict_at_most_zero(e(-15.0, -40.0, 9.0)),
+            "met, within this run's noise"
+        );
+        assert_eq!(verdict_at_most_zero(e(62.0, 36.0, 102.0)), "NOT met");
+        assert_eq!(
+            verdict_at_most_zero(e(5.0, -25.0, 19.0)),
+            "NOT met, within this run's noise"
+        );
     }
 
     #[test]
