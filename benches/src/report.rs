@@ -289,7 +289,8 @@ fn targets(r: &Report) -> Vec<String> {
     // How often the side that should win did, round by round: a median below the target
     // with wins in about half the rounds is within the noise; with none, it is not.
     let won = |(k, n): (usize, usize)| format!("{k} of {n} rounds");
-    if let Some((e, c)) = lowest(&ratios(Setup::NoToken, Setup::Pgbouncer, &all)) {
+    let all_cells = ratios(Setup::NoToken, Setup::Pgbouncer, &all);
+    if let Some((e, c)) = lowest(&all_cells) {
         out.push(format!(
             "pgfence without tokens >= PgBouncer in every cell (aim 1.25x): lowest {:.2}x \
              ({}; {}; pgfence at least as fast in {}) — {}",
@@ -297,7 +298,7 @@ fn targets(r: &Report) -> Vec<String> {
             c.label,
             interval(e, 2),
             won(c.rounds_not_slower(Setup::NoToken, Setup::Pgbouncer)),
-            at_least(&ratios(Setup::NoToken, Setup::Pgbouncer, &all), 1.0)
+            at_least(&all_cells, 1.0)
         ));
     }
     let tpcb = |c: &CellResult| c.cell.workload == Workload::TpcbLike;
