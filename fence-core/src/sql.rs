@@ -27,18 +27,32 @@ const INSTALL_TEMPLATE: &str = include_str!("sql/install.sql");
 pub const CHECK_SQL: &str =
     "SELECT pgfence.check($1::text[], $2::text[], $3::text, $4::text[], $5::text, $6::boolean)";
 
-/// [`CHECK_SQL`] behind a guard that answers NULL without calling `pgfence.check` when the
-/// session is unfenced: no comment directives, no default resource, and neither
-/// `fencing.resource` nor `fencing.token` ever set in the server session (the very case in
-/// which `pgfence.check` itself returns NULL). PostgreSQL evaluates it, from its own
-/// settings, inside the transaction; it saves the PL/pgSQL call, about a third of an
-/// unfenced check's server time, and costs a fenced one a little more (docs/fence-locking.md),
-/// so the proxy sends it only while a session looks unfenced. Same parameters.
-pub const GUARDED_CHECK_SQL: &str = "SELECT CASE WHEN $1::text[] IS NULL AND $2::text[] IS NULL \
-     AND $3::text IS NULL \
-     AND pg_catalog.current_setting('fencing.resource', true) IS NULL \
-     AND pg_catalog.current_setting('fencing.token', true) IS NULL THEN NULL \
-     ELSE pgfence.check($1::text[], $2::text[], $3::text, $4::text[], $5::text, $6::boolean) END";
+/// The check behind a guard that answers NULL without calling `pgfence.check` while the
+/// server session has neither `fencing.resource` nor `fencing.token` set (the very case in
+/// which `pgfence.check` itself returns NULL for a transaction without comment directives
+/// or default resource). PostgreSQL evaluates the guard, from its own settings, inside the
+/// transaction. It is only for such transactions, so it takes only what stays the same for a
+/// whole session (the policy's `allow_missing` and the client address) and bakes them in as
+/// literals: the statement has no parameters, a Bind converts nothing, and executor start
+/// compiles a small expression. That makes it about a third cheaper for the server than the
+/// same guard over [`CHECK_SQL`]'s six parameters (docs/fence-locking.md).
+pub fn guarded_check_sql(allow_missing: &[String], client: &str) -> Vec<u8> {
+    let args = CheckArgs {
+        directives: &[],
+        default_resource: None,
+        allow_missing,
+        client,
+        force: false,
+    };
+    let mut out = Vec::with_capacity(256);
+    out.extend_from_slice(
+        b"SELECT CASE WHEN pg_catalog.current_setting('fencing.resource', true) IS NULL \
+          AND pg_catalog.current_setting('fencing.token', true) IS NULL THEN NULL ELSE ",
+    );
+    push_check_call(&args, &mut out);
+    out.extend_from_slice(b" END");
+    out
+}
 
 /// Everything `pgfence.check` needs to know about one transaction.
 #[derive(Debug, Clone, Copy)]
@@ -109,7 +123,7 @@ pub fn install_sql_with(grant_role: Option<&str>, accept: AcceptLock) -> String 
 }
 
 /// The six text-format Bind parameter values for [`CHECK_SQL`] (`None` is SQL NULL). No
-/// comment directives: both arrays are NULL (what [`GUARDED_CHECK_SQL`] looks for).
+/// comment directives: both arrays are NULL (the case [`guarded_check_sql`] is for).
 pub fn check_params(args: &CheckArgs) -> [Option<Vec<u8>>; 6] {
     let (resources, tokens) = if args.directives.is_empty() {
         (None, None)
@@ -159,8 +173,14 @@ pub fn check_params(args: &CheckArgs) -> [Option<Vec<u8>>; 6] {
 /// cost the server about 21,000 instructions of parse analysis on every call
 /// (docs/fence-locking.md).
 pub fn check_call_literal(args: &CheckArgs, out: &mut Vec<u8>) {
+    out.extend_from_slice(b"SELECT ");
+    push_check_call(args, out);
+}
+
+/// Appends `pgfence.check(...)` with the arguments as untyped literals.
+fn push_check_call(args: &CheckArgs, out: &mut Vec<u8>) {
     let [resources, tokens, default_resource, allow, client, _] = check_params(args);
-    out.extend_from_slice(b"SELECT pgfence.check(");
+    out.extend_from_slice(b"pgfence.check(");
     push_literal(resources.as_deref(), out);
     out.extend_from_slice(b", ");
     push_literal(tokens.as_deref(), out);
@@ -414,6 +434,20 @@ mod tests {
             std::str::from_utf8(&out).unwrap(),
             "SELECT pgfence.check(NULL, NULL, E'billing', E'{}', E'c', true)"
         );
+    }
+
+    #[test]
+    fn sql_guarded_check_has_no_parameters_and_escapes_its_literals() {
+        let sql = guarded_check_sql(&["o'k".to_owned(), "*".to_owned()], r"[::1]:5\");
+        assert_eq!(
+            std::str::from_utf8(&sql).unwrap(),
+            concat!(
+                "SELECT CASE WHEN pg_catalog.current_setting('fencing.resource', true) IS NULL ",
+                "AND pg_catalog.current_setting('fencing.token', true) IS NULL THEN NULL ",
+                r#"ELSE pgfence.check(NULL, NULL, NULL, E'{"o''k","*"}', E'[::1]:5\\', false) END"#
+            )
+        );
+        assert!(!sql.contains(&b'$'));
     }
 
     #[test]

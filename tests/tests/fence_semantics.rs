@@ -1061,13 +1061,23 @@ async fn a_pre_check_after_commit_checks_is_still_forced() {
 }
 
 /// A session that starts without any fencing setting gets the guarded check
-/// (`GUARDED_CHECK_SQL`), which skips `pgfence.check` while the server session has no
-/// fencing settings. Settings made where pgfence cannot see them (`set_config()` inside a
-/// query) are the server's to read: a stale token set that way is still rejected, in both
-/// protocols, and a session that drops them again is unfenced again.
+/// (`fence_core::sql::guarded_check_sql`), which skips `pgfence.check` while the server
+/// session has no fencing settings. Settings made where pgfence cannot see them
+/// (`set_config()` inside a query) are the server's to read: a stale token set that way is
+/// still rejected, in both protocols, and a newer one advances the fence. The guarded
+/// statement carries the session's own arguments as literals: the client address reaches
+/// the history, and the policy's lenient resources are allowed a write without a token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unfenced_looking_session_is_still_checked_by_the_server() {
-    let fx = Fixture::start("CREATE TABLE ug (tag text);", |_| {}).await;
+    let fx = Fixture::start("CREATE TABLE ug (tag text);", |c| {
+        c.fence.resources.insert(
+            "guarded_lenient".into(),
+            ResourcePolicy {
+                on_missing_token: Some(OnMissingToken::Allow),
+            },
+        );
+    })
+    .await;
     let r = "guarded";
     fx.leader(r, 20)
         .await
@@ -1117,4 +1127,50 @@ async fn an_unfenced_looking_session_is_still_checked_by_the_server() {
         fx.count("ug WHERE tag IN ('unfenced', 'hidden 21')").await,
         3
     );
+    let advanced_by: String = fx
+        .direct
+        .query_one(
+            "SELECT client_addr FROM pgfence.history WHERE resource = $1 AND new_token = 21",
+            &[&r],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        advanced_by.starts_with("127.0.0.1:"),
+        "the history records the client that advanced the fence, not {advanced_by:?}"
+    );
+
+    // A resource set where pgfence cannot see it, without a token: the policy decides.
+    for (resource, allowed) in [("guarded_lenient", true), ("guarded_strict", false)] {
+        let mut session = fx.session(SUPERUSER, None).await;
+        session
+            .client
+            .query(
+                "SELECT set_config('fencing.resource', $1, false)",
+                &[&resource],
+            )
+            .await
+            .unwrap();
+        for protocol in PROTOCOLS {
+            let write = format!("INSERT INTO ug VALUES ('{resource}')");
+            if allowed {
+                session
+                    .run(protocol, &[write.as_str()])
+                    .await
+                    .unwrap_or_else(|e| panic!("{resource} allows a write without a token: {e:?}"));
+            } else {
+                session
+                    .expect_rejection(
+                        protocol,
+                        &[write.as_str()],
+                        &missing(resource),
+                        "a resource set by set_config() in a query, without a token",
+                    )
+                    .await;
+            }
+        }
+    }
+    assert_eq!(fx.count("ug WHERE tag = 'guarded_lenient'").await, 2);
+    assert_eq!(fx.count("ug WHERE tag = 'guarded_strict'").await, 0);
 }

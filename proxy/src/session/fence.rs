@@ -55,12 +55,12 @@ pub struct FenceSettings {
     pub check_prepared: bool,
     pub guarded_check_prepared: bool,
     pub fast_reject_prepared: bool,
-    /// The check's Bind message for a transaction without fencing comments, which depends
-    /// only on these settings: built once per statement (`[plain, guarded]`) and `force`.
-    binds: [[Option<Bytes>; 2]; 2],
+    /// The check's Bind messages for a transaction without fencing comments, which depend
+    /// only on these settings: built once each (guarded; plain; plain with `force`).
+    binds: [Option<Bytes>; 3],
     /// The session has shown signs of being fenced (fencing settings at startup, a default
     /// resource, or its last check accepted a token): its checks skip the guard of
-    /// [`sql::GUARDED_CHECK_SQL`], which would only cost them. Either statement is correct.
+    /// [`sql::guarded_check_sql`], which would only cost them. Either statement is correct.
     pub looks_fenced: bool,
 }
 
@@ -182,47 +182,56 @@ impl Session {
     }
 
     /// Prepares the check statement this transaction's check uses, if needed; its name.
-    fn prepare_check(&mut self) -> &'static [u8] {
+    fn prepare_check(&mut self, force: bool) -> &'static [u8] {
         let guarded = !self.fence.looks_fenced
+            && !force
             && self.tx.directives.is_empty()
             && self.fence.default_resource.is_none();
-        let (name, sql, prepared) = if guarded {
-            (
-                GUARDED_CHECK_NAME,
-                sql::GUARDED_CHECK_SQL,
-                &mut self.fence.guarded_check_prepared,
-            )
-        } else {
-            (CHECK_NAME, sql::CHECK_SQL, &mut self.fence.check_prepared)
-        };
-        if !*prepared {
-            *prepared = true;
-            msg::parse(&mut self.to_server, name, sql.as_bytes());
+        if guarded {
+            if !self.fence.guarded_check_prepared {
+                self.fence.guarded_check_prepared = true;
+                let sql = sql::guarded_check_sql(&self.fence.allow_missing, &self.fence.client);
+                msg::parse(&mut self.to_server, GUARDED_CHECK_NAME, &sql);
+                self.replies
+                    .push(Request::Parse, Origin::Injected(Injected::PrepareCheck));
+            }
+            return GUARDED_CHECK_NAME;
+        }
+        if !self.fence.check_prepared {
+            self.fence.check_prepared = true;
+            msg::parse(&mut self.to_server, CHECK_NAME, sql::CHECK_SQL.as_bytes());
             self.replies
                 .push(Request::Parse, Origin::Injected(Injected::PrepareCheck));
         }
-        name
+        CHECK_NAME
     }
 
     /// Injects the check (extended protocol messages) into the upstream stream, here.
     pub(super) fn inject_check(&mut self, force: bool) {
-        let statement = self.prepare_check();
+        let statement = self.prepare_check(force);
         if self.tx.directives.is_empty() {
-            let (g, f) = (
-                usize::from(statement == GUARDED_CHECK_NAME),
-                usize::from(force),
-            );
-            let bind = match self.fence.binds[g][f].take() {
+            // Bind messages that depend only on the session: the guarded statement's (no
+            // parameters), and the plain statement's without and with `force`.
+            let slot = if statement == GUARDED_CHECK_NAME {
+                0
+            } else {
+                1 + usize::from(force)
+            };
+            let bind = match self.fence.binds[slot].take() {
                 Some(bind) => bind,
                 None => {
                     let mut bind = BytesMut::new();
-                    let params = sql::check_params(&self.check_args(force));
-                    msg::bind_text(&mut bind, CHECK_NAME, statement, &params);
+                    if slot == 0 {
+                        msg::bind_text(&mut bind, CHECK_NAME, statement, &[]);
+                    } else {
+                        let params = sql::check_params(&self.check_args(force));
+                        msg::bind_text(&mut bind, CHECK_NAME, statement, &params);
+                    }
                     bind.freeze()
                 }
             };
             self.to_server.extend_from_slice(&bind);
-            self.fence.binds[g][f] = Some(bind);
+            self.fence.binds[slot] = Some(bind);
         } else {
             let params = sql::check_params(&self.check_args(force));
             msg::bind_text(&mut self.to_server, CHECK_NAME, statement, &params);
