@@ -34,7 +34,7 @@ pub const CHECK_SQL: &str =
 /// transaction. It is only for such transactions, so it takes only what stays the same for a
 /// whole session (the policy's `allow_missing` and the client address) and bakes them in as
 /// literals: the statement has no parameters, a Bind converts nothing, and executor start
-/// compiles a small expression. That makes it about a third cheaper for the server than the
+/// compiles a small expression. The server runs 28% fewer instructions for it than for the
 /// same guard over [`CHECK_SQL`]'s six parameters (docs/fence-locking.md).
 pub fn guarded_check_sql(allow_missing: &[String], client: &str) -> Vec<u8> {
     let args = CheckArgs {
