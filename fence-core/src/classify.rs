@@ -280,9 +280,10 @@ fn analyze_impl(sql: &[u8], options: LexOptions, skip: bool) -> Analysis {
             // Only where the statement ends and what its comments say matter now: plain
             // tokens are skipped without being made (see `Lexer::skip_plain`).
             let mentions = &mut out.mentions_fencing;
-            let skipped = lexer.skip_plain(|word| {
+            let skipped = lexer.skip_plain(|text| {
                 if !*mentions {
-                    *mentions = mentions_fencing(TokKind::Ident, word);
+                    *mentions =
+                        ends_with_word(text, b"fencing") || ends_with_word(text, b"set_config");
                 }
             });
             if let Some(end) = skipped {
@@ -332,9 +333,7 @@ fn mentions_fencing(kind: TokKind, text: &[u8]) -> bool {
         TokKind::QuotedIdent | TokKind::String => true,
         _ => return false,
     };
-    let ends = |at: usize, word: &[u8]| {
-        at + 1 >= word.len() && text[at + 1 - word.len()..=at].eq_ignore_ascii_case(word)
-    };
+    let ends = |at: usize, word: &[u8]| ends_with_word(&text[..=at], word);
     // An identifier has no `\\`: its first `g` that matters is the seventh byte.
     let mut from = if escapes { 0 } else { FENCING.len() - 1 };
     while let Some(n) = text
@@ -353,6 +352,12 @@ fn mentions_fencing(kind: TokKind, text: &[u8]) -> bool {
         from = at + 1;
     }
     false
+}
+
+/// Whether `text` ends with `word`, ignoring ASCII case.
+#[inline]
+fn ends_with_word(text: &[u8], word: &[u8]) -> bool {
+    text.len() >= word.len() && text[text.len() - word.len()..].eq_ignore_ascii_case(word)
 }
 
 #[cfg(test)]

@@ -346,8 +346,9 @@ impl<'a> Lexer<'a> {
     /// Skips what can only lex as plain tokens (identifiers, keywords, numbers, operators,
     /// punctuation, white space), up to the first byte that may begin anything else: a quote,
     /// `$`, `;`, a parenthesis, `--` or `/*`. For a caller that only needs to know where a
-    /// statement ends and what its comments say: the plain tokens are not made, but `word`
-    /// sees each run of identifier bytes skipped (an identifier, a number, or both).
+    /// statement ends and what its comments say: the plain tokens are not made. The words
+    /// the classifier looks for in them (`fencing`, `set_config`) end in `g`, so `at_g`
+    /// sees the text skipped up to each `g` or `G`, that letter included.
     ///
     /// A quote or `$` right after identifier bytes may belong to them (`E'..'`, `U&".."`,
     /// `a$b`), and where a number ends depends on what came before it (`1e-5e'..'` is a
@@ -355,47 +356,64 @@ impl<'a> Lexer<'a> {
     /// last place a token surely begins: where skipping began, or after white space or a comma.
     ///
     /// Returns the end of the last byte skipped that is not white space, if any was.
+    ///
+    /// One table load and test per byte: where white space and commas were is only looked
+    /// for when it matters, backwards from where skipping stopped.
     #[inline(never)]
-    pub fn skip_plain(&mut self, mut word: impl FnMut(&'a [u8])) -> Option<usize> {
+    pub fn skip_plain(&mut self, mut at_g: impl FnMut(&'a [u8])) -> Option<usize> {
         let sql = self.sql;
-        let class = |i: usize| sql.get(i).map_or(0, |&b| CLASSES[usize::from(b)]);
-        let mut i = self.pos;
-        let mut last = None;
-        let mut resume = (i, last);
+        let start = self.pos;
+        let mut i = start;
         loop {
-            if class(i) & SPACE != 0 {
-                while class(i) & SPACE != 0 {
-                    i += 1;
-                }
-                resume = (i, last);
-            }
-            let Some(&b) = sql.get(i) else { break };
-            if CLASSES[usize::from(b)] & RUN != 0 {
-                let start = i;
-                while class(i) & RUN != 0 {
-                    i += 1;
-                }
-                if sql
-                    .get(i)
-                    .is_some_and(|&b| matches!(b, b'\'' | b'"' | b'$'))
-                {
-                    (i, last) = resume;
-                    break;
-                }
-                word(&sql[start..i]);
-            } else if stops(b, sql.get(i + 1).copied()) {
+            let Some(n) = sql[i..]
+                .iter()
+                .position(|&b| CLASSES[usize::from(b)] & LOOK != 0)
+            else {
+                i = sql.len();
                 break;
-            } else {
-                i += 1;
-                if b == b',' {
-                    resume = (i, Some(i));
+            };
+            i += n;
+            let b = sql[i];
+            match b {
+                b'g' | b'G' => at_g(&sql[start..=i]),
+                b'-' | b'/' if !stops(b, sql.get(i + 1).copied()) => {}
+                b'\'' | b'"' | b'$' if i > start && CLASSES[usize::from(sql[i - 1])] & RUN != 0 => {
+                    // Back to the last place a token surely begins: after the last white
+                    // space or comma (identifier bytes are neither).
+                    return match sql[start..i]
+                        .iter()
+                        .rposition(|&b| b == b',' || is_space(b))
+                        .map(|k| start + k)
+                    {
+                        Some(comma) if sql[comma] == b',' => {
+                            self.pos = comma + 1;
+                            Some(comma + 1)
+                        }
+                        Some(space) => {
+                            self.pos = space + 1;
+                            last_not_space(sql, start, space)
+                        }
+                        None => {
+                            self.pos = start;
+                            None
+                        }
+                    };
                 }
+                _ => break,
             }
-            last = Some(i);
+            i += 1;
         }
         self.pos = i;
-        last
+        last_not_space(sql, start, i)
     }
+}
+
+/// The end of the last byte of `sql[start..end]` that is not white space, if any is.
+fn last_not_space(sql: &[u8], start: usize, end: usize) -> Option<usize> {
+    sql[start..end]
+        .iter()
+        .rposition(|&b| !is_space(b))
+        .map(|k| start + k + 1)
 }
 
 /// Whether `b` (followed by `next`) may begin a token that is not plain (see
@@ -441,6 +459,9 @@ const OP: u8 = 16;
 const RUN: u8 = 32;
 /// Bytes that begin a token other than a plain one: see [`Lexer::skip_plain`].
 const STOP: u8 = 64;
+/// Bytes [`Lexer::skip_plain`] must look at: [`STOP`], the first bytes of `--` and `/*`, and
+/// the `g` that ends the words it reports.
+const LOOK: u8 = 128;
 
 const CLASSES: [u8; 256] = {
     let mut table = [0u8; 256];
@@ -467,7 +488,10 @@ const CLASSES: [u8; 256] = {
             class |= RUN;
         }
         if matches!(c, b'\'' | b'"' | b'$' | b';' | b'(' | b')') {
-            class |= STOP;
+            class |= STOP | LOOK;
+        }
+        if matches!(c, b'-' | b'/' | b'g' | b'G') {
+            class |= LOOK;
         }
         if matches!(
             c,

@@ -297,36 +297,44 @@ fn random_bytes_never_panic() {
     }
 }
 
-/// What `skip_plain` skips, where it stops, and what the lexer makes of the rest.
+/// What `skip_plain` skips, where it stops, what it shows of each `g`, and what the
+/// lexer makes of the rest.
 #[test]
 fn skip_plain_stops_where_a_token_may_not_be_plain() {
     let rest = |sql: &str| {
         let mut lexer = Lexer::new(sql.as_bytes());
-        let mut words = Vec::new();
+        let mut seen = Vec::new();
         let end =
-            lexer.skip_plain(|w| words.push(std::string::String::from_utf8_lossy(w).into_owned()));
+            lexer.skip_plain(|w| seen.push(std::string::String::from_utf8_lossy(w).into_owned()));
         let toks: Vec<std::string::String> = lexer
             .map(|t| std::string::String::from_utf8_lossy(t.text(sql.as_bytes())).into_owned())
             .collect();
-        (end, words, toks)
+        (end, seen, toks)
     };
     let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
-    assert_eq!(rest("a = b + -1 "), (Some(10), s(&["a", "b", "1"]), s(&[])));
-    assert_eq!(rest("x = E'\\''"), (Some(3), s(&["x"]), s(&["E'\\''"])));
-    assert_eq!(rest("x =U&'a'"), (Some(1), s(&["x"]), s(&["=", "U&'a'"])));
-    assert_eq!(
-        rest("x, 1e-5e'a'"),
-        (Some(2), s(&["x", "1e"]), s(&["1e-5", "e'a'"]))
-    );
+    assert_eq!(rest("a = b + -1 "), (Some(10), s(&[]), s(&[])));
+    assert_eq!(rest("x = E'\\''"), (Some(3), s(&[]), s(&["E'\\''"])));
+    assert_eq!(rest("x =U&'a'"), (Some(1), s(&[]), s(&["=", "U&'a'"])));
+    assert_eq!(rest("x, 1e-5e'a'"), (Some(2), s(&[]), s(&["1e-5", "e'a'"])));
     assert_eq!(
         rest("1e-5e5e'a'"),
-        (None, s(&["1e"]), s(&["1e-5", "e5e", "'a'"]))
+        (None, s(&[]), s(&["1e-5", "e5e", "'a'"]))
     );
-    assert_eq!(rest("x a$b"), (Some(1), s(&["x"]), s(&["a$b"])));
-    assert_eq!(rest("x 1e--c\n"), (Some(4), s(&["x", "1e"]), s(&["--c"])));
-    assert_eq!(rest("x*/* c */"), (Some(2), s(&["x"]), s(&["/* c */"])));
-    assert_eq!(rest("x - y; z"), (Some(5), s(&["x", "y"]), s(&[";", "z"])));
-    assert_eq!(rest("f(1)"), (Some(1), s(&["f"]), s(&["(", "1", ")"])));
+    assert_eq!(rest("x a$b"), (Some(1), s(&[]), s(&["a$b"])));
+    assert_eq!(rest("x 1e--c\n"), (Some(4), s(&[]), s(&["--c"])));
+    assert_eq!(rest("x*/* c */"), (Some(2), s(&[]), s(&["/* c */"])));
+    assert_eq!(rest("x - y; z"), (Some(5), s(&[]), s(&[";", "z"])));
+    assert_eq!(rest("f(1)"), (Some(1), s(&[]), s(&["(", "1", ")"])));
     assert_eq!(rest("   "), (None, s(&[]), s(&[])));
     assert_eq!(rest(" $1"), (None, s(&[]), s(&["$1"])));
+    assert_eq!(rest("x,\t\ny'a'"), (Some(2), s(&[]), s(&["y", "'a'"])));
+    assert_eq!(rest("x,E'a'"), (Some(2), s(&[]), s(&["E'a'"])));
+    assert_eq!(
+        rest("pgbench_x SET Fencing = 1"),
+        (Some(25), s(&["pg", "pgbench_x SET Fencing"]), s(&[]))
+    );
+    assert_eq!(
+        rest("a, fencingE'x'"),
+        (Some(2), s(&["a, fencing"]), s(&["fencingE", "'x'"]))
+    );
 }
