@@ -44,9 +44,10 @@ pub struct Medians {
     pub p99_ms: f64,
     /// (max - min) / median of the rounds' TPS: how much the rounds disagree.
     pub tps_spread: f64,
-    /// CPU µs per transaction: the whole machine's, and the proxy's.
+    /// CPU µs per transaction: the whole machine's, the proxy's and the server's.
     pub cpu_us: Option<f64>,
     pub proxy_cpu_us: Option<f64>,
+    pub server_cpu_us: Option<f64>,
 }
 
 impl SetupResult {
@@ -68,6 +69,7 @@ impl SetupResult {
                 tps_spread: if m > 0.0 { (hi - lo) / m } else { 0.0 },
                 cpu_us: measured(|r| r.cpu_us),
                 proxy_cpu_us: measured(|r| r.proxy_cpu_us),
+                server_cpu_us: measured(|r| r.server_cpu_us),
             }
         });
     }
@@ -275,16 +277,19 @@ pub fn run_all(
                 let (setup, t) = &setups[i];
                 let name = format!("{}-{}-r{round}", cell.slug(), setup.key());
                 let proxy = stack.proxy_pid(*setup);
+                let server = stack.server_pid();
                 let outcome = stack
                     .ensure_running(*setup)
                     .and_then(|()| reset(db, stack, cell))
                     .and_then(|()| {
-                        let before = cpu::sample(proxy);
+                        let before = cpu::sample(proxy, server);
                         let mut run = bench.run(t, cell, args.duration, &name)?;
                         run.round = round;
-                        let after = cpu::sample(proxy);
-                        (run.cpu_us, run.proxy_cpu_us) =
-                            cpu::per_transaction(before, after, run.transactions);
+                        let after = cpu::sample(proxy, server);
+                        let cpu = cpu::per_transaction(before, after, run.transactions);
+                        run.cpu_us = cpu.machine;
+                        run.proxy_cpu_us = cpu.proxy;
+                        run.server_cpu_us = cpu.server;
                         Ok(run)
                     });
                 done += 1;
@@ -380,6 +385,7 @@ mod tests {
             p99_ms: mean_ms,
             cpu_us: None,
             proxy_cpu_us: None,
+            server_cpu_us: None,
             round,
         }
     }

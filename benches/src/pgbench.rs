@@ -139,6 +139,8 @@ pub struct Run {
     pub cpu_us: Option<f64>,
     /// CPU time of the proxy per transaction, in µs (`None` for PostgreSQL directly).
     pub proxy_cpu_us: Option<f64>,
+    /// CPU time of the PostgreSQL server per transaction, in µs (`None` with `--upstream`).
+    pub server_cpu_us: Option<f64>,
     /// Which round of the interleaved measurement this run belongs to (1-based; 0 outside
     /// one): runs of one round ran back to back, so they pair up for ratios.
     pub round: u32,
@@ -193,6 +195,7 @@ impl Bench {
                 p99_ms: stats::percentile_us(&mut latencies, 0.99) / 1000.0,
                 cpu_us: None,
                 proxy_cpu_us: None,
+                server_cpu_us: None,
                 round: 0,
             })
         });

@@ -220,6 +220,18 @@ impl Cluster {
             }),
         }
     }
+
+    /// The postmaster's pid, from `postmaster.pid` (`None` once it stopped).
+    pub fn postmaster_pid(&self) -> Option<u32> {
+        let path = self.data.join("postmaster.pid");
+        fs::read_to_string(path)
+            .ok()?
+            .lines()
+            .next()?
+            .trim()
+            .parse()
+            .ok()
+    }
 }
 
 impl Drop for Cluster {

@@ -163,7 +163,13 @@ fn cell_table(cells: &[CellResult], rounds: u32) -> Table {
     if with_token_ratio {
         headers.push("vs no token");
     }
-    headers.extend(["+µs vs direct", "CPU µs/txn", "proxy CPU µs/txn", "spread"]);
+    headers.extend([
+        "+µs vs direct",
+        "CPU µs/txn",
+        "proxy CPU µs/txn",
+        "server CPU µs/txn",
+        "spread",
+    ]);
     let numeric = headers
         .iter()
         .map(|h| !matches!(*h, "cell" | "configuration"))
@@ -217,6 +223,7 @@ fn cell_table(cells: &[CellResult], rounds: u32) -> Table {
             let us = |v: Option<f64>| v.map(|v| format!("{v:.0}")).unwrap_or_default();
             row.push(us(m.and_then(|m| m.cpu_us)));
             row.push(us(m.and_then(|m| m.proxy_cpu_us)));
+            row.push(us(m.and_then(|m| m.server_cpu_us)));
             let spread = m
                 .map(|m| format!("{:.0}%", m.tps_spread * 100.0))
                 .unwrap_or_default();
@@ -436,7 +443,8 @@ pub fn text(r: &Report) -> String {
         "\n{}\n\nTPS: median of {} round(s) of {} s; mean and p99 latency: medians of the \
          rounds' values. Ratios and +µs: medians of the rounds' own ratios and differences \
          (the runs of a round ran back to back). CPU µs/txn: busy time of the whole machine (client, proxy, server) per \
-         transaction; proxy CPU µs/txn: the proxy's own (medians of the rounds). \
+         transaction; proxy CPU µs/txn: the proxy's own; server CPU µs/txn: PostgreSQL's \
+         (medians of the rounds). \
          spread = (max - min) / median TPS.\n\n",
         r.command, r.rounds, r.duration_secs
     );
@@ -494,7 +502,8 @@ pub fn markdown(r: &Report) -> String {
          *+µs vs direct*: mean latency added to PostgreSQL's (median of the rounds' \
          differences). *CPU µs/txn*: busy time of the \
          whole machine (client, proxy, server) per transaction, *proxy CPU µs/txn*: the \
-         proxy's own (medians of the rounds; on a CPU-bound machine these decide throughput, \
+         proxy's own, *server CPU µs/txn*: PostgreSQL's, backends included (medians of the \
+         rounds; on a CPU-bound machine these decide throughput, \
          and they move far less than TPS when the machine is noisy). *spread*: (max - min) / \
          median TPS over rounds. How to read it: docs/benchmarks.md.\n\n",
     );

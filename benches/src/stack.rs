@@ -389,6 +389,11 @@ impl Stack {
         Daemon::start(cmd, "pgbouncer", port, READY_WITHIN)
     }
 
+    /// The postmaster's pid of the throwaway server (`None` with `--upstream`).
+    pub fn server_pid(&self) -> Option<u32> {
+        self.cluster.as_ref()?.postmaster_pid()
+    }
+
     /// The pid of the proxy `setup` goes through (`None` for PostgreSQL directly).
     pub fn proxy_pid(&self, setup: Setup) -> Option<u32> {
         let daemon = match setup {
