@@ -282,8 +282,7 @@ fn analyze_impl(sql: &[u8], options: LexOptions, skip: bool) -> Analysis {
             let mentions = &mut out.mentions_fencing;
             let skipped = lexer.skip_plain(|text| {
                 if !*mentions {
-                    *mentions =
-                        ends_with_word(text, b"fencing") || ends_with_word(text, b"set_config");
+                    *mentions = ends_a_fencing_word(text);
                 }
             });
             if let Some(end) = skipped {
@@ -333,7 +332,6 @@ fn mentions_fencing(kind: TokKind, text: &[u8]) -> bool {
         TokKind::QuotedIdent | TokKind::String => true,
         _ => return false,
     };
-    let ends = |at: usize, word: &[u8]| ends_with_word(&text[..=at], word);
     // An identifier has no `\\`: its first `g` that matters is the seventh byte.
     let mut from = if escapes { 0 } else { FENCING.len() - 1 };
     while let Some(n) = text
@@ -342,7 +340,7 @@ fn mentions_fencing(kind: TokKind, text: &[u8]) -> bool {
     {
         let at = from + n;
         let found = match text[at] {
-            b'g' | b'G' => ends(at, FENCING) || ends(at, b"set_config"),
+            b'g' | b'G' => ends_a_fencing_word(&text[..=at]),
             b'\\' => escapes,
             _ => false,
         };
@@ -354,10 +352,14 @@ fn mentions_fencing(kind: TokKind, text: &[u8]) -> bool {
     false
 }
 
-/// Whether `text` ends with `word`, ignoring ASCII case.
+/// Whether `text` ends with `fencing` or `set_config`, ignoring ASCII case (both end in
+/// `g`: see [`mentions_fencing`] and `Lexer::skip_plain`).
 #[inline]
-fn ends_with_word(text: &[u8], word: &[u8]) -> bool {
-    text.len() >= word.len() && text[text.len() - word.len()..].eq_ignore_ascii_case(word)
+fn ends_a_fencing_word(text: &[u8]) -> bool {
+    let ends = |word: &[u8]| {
+        text.len() >= word.len() && text[text.len() - word.len()..].eq_ignore_ascii_case(word)
+    };
+    ends(b"fencing") || ends(b"set_config")
 }
 
 #[cfg(test)]
