@@ -36,6 +36,7 @@ const UNSAFE_ENCODINGS: &[&str] = &[
 /// pgfence's own prepared statement and portal names on the upstream connection.
 pub const CHECK_NAME: &[u8] = b"pgfence_check";
 pub const GUARDED_CHECK_NAME: &[u8] = b"pgfence_check_guarded";
+pub const SESSION_CHECK_NAME: &[u8] = b"pgfence_check_session";
 pub const FAST_REJECT_NAME: &[u8] = b"pgfence_fast_reject";
 const FAST_REJECT_SQL: &[u8] = b"SELECT pgfence.fast_reject($1::text, $2::bigint, $3::bigint)";
 
@@ -54,9 +55,10 @@ pub struct FenceSettings {
     /// pgfence's statements exist on the upstream connection.
     pub check_prepared: bool,
     pub guarded_check_prepared: bool,
+    pub session_check_prepared: bool,
     pub fast_reject_prepared: bool,
     /// The check's Bind messages for a transaction without fencing comments, which depend
-    /// only on these settings: built once each (guarded; plain; plain with `force`).
+    /// only on these settings: built once each (guarded; the session's; plain with `force`).
     binds: [Option<Bytes>; 3],
     /// The session has shown signs of being fenced (fencing settings at startup, a default
     /// resource, or its last check accepted a token): its checks skip the guard of
@@ -110,6 +112,7 @@ impl FenceSettings {
             session_token,
             check_prepared: false,
             guarded_check_prepared: false,
+            session_check_prepared: false,
             fast_reject_prepared: false,
             binds: Default::default(),
             looks_fenced,
@@ -121,6 +124,7 @@ impl FenceSettings {
     pub fn forget_prepared(&mut self) {
         self.check_prepared = false;
         self.guarded_check_prepared = false;
+        self.session_check_prepared = false;
         self.fast_reject_prepared = false;
     }
 
@@ -182,46 +186,59 @@ impl Session {
     }
 
     /// Prepares the check statement this transaction's check uses, if needed; its name.
+    ///
+    /// A transaction without fencing comments and without `force` passes only what is
+    /// constant for the session (its default resource, the policy's `allow_missing`, the
+    /// client address), so its statement has these as literals and no parameters: a Bind
+    /// converts nothing (docs/fence-locking.md). While the session looks unfenced, that
+    /// statement is the guarded one.
     fn prepare_check(&mut self, force: bool) -> &'static [u8] {
-        let guarded = !self.fence.looks_fenced
-            && !force
-            && self.tx.directives.is_empty()
-            && self.fence.default_resource.is_none();
-        if guarded {
-            if !self.fence.guarded_check_prepared {
-                self.fence.guarded_check_prepared = true;
-                let sql = sql::guarded_check_sql(&self.fence.allow_missing, &self.fence.client);
-                msg::parse(&mut self.to_server, GUARDED_CHECK_NAME, &sql);
-                self.replies
-                    .push(Request::Parse, Origin::Injected(Injected::PrepareCheck));
+        if !force && self.tx.directives.is_empty() {
+            if !self.fence.looks_fenced && self.fence.default_resource.is_none() {
+                if !self.fence.guarded_check_prepared {
+                    self.fence.guarded_check_prepared = true;
+                    let sql = sql::guarded_check_sql(&self.fence.allow_missing, &self.fence.client);
+                    self.prepare_injected(GUARDED_CHECK_NAME, &sql);
+                }
+                return GUARDED_CHECK_NAME;
             }
-            return GUARDED_CHECK_NAME;
+            if !self.fence.session_check_prepared {
+                self.fence.session_check_prepared = true;
+                let mut sql = Vec::with_capacity(128);
+                self.check_literal(&mut sql);
+                self.prepare_injected(SESSION_CHECK_NAME, &sql);
+            }
+            return SESSION_CHECK_NAME;
         }
         if !self.fence.check_prepared {
             self.fence.check_prepared = true;
-            msg::parse(&mut self.to_server, CHECK_NAME, sql::CHECK_SQL.as_bytes());
-            self.replies
-                .push(Request::Parse, Origin::Injected(Injected::PrepareCheck));
+            self.prepare_injected(CHECK_NAME, sql::CHECK_SQL.as_bytes());
         }
         CHECK_NAME
+    }
+
+    fn prepare_injected(&mut self, name: &[u8], sql: &[u8]) {
+        msg::parse(&mut self.to_server, name, sql);
+        self.replies
+            .push(Request::Parse, Origin::Injected(Injected::PrepareCheck));
     }
 
     /// Injects the check (extended protocol messages) into the upstream stream, here.
     pub(super) fn inject_check(&mut self, force: bool) {
         let statement = self.prepare_check(force);
         if self.tx.directives.is_empty() {
-            // Bind messages that depend only on the session: the guarded statement's (no
-            // parameters), and the plain statement's without and with `force`.
-            let slot = if statement == GUARDED_CHECK_NAME {
-                0
-            } else {
-                1 + usize::from(force)
+            // Bind messages that depend only on the session: the guarded statement's and the
+            // session statement's (no parameters), and the plain statement's with `force`.
+            let slot = match statement {
+                GUARDED_CHECK_NAME => 0,
+                SESSION_CHECK_NAME => 1,
+                _ => 2,
             };
             let bind = match self.fence.binds[slot].take() {
                 Some(bind) => bind,
                 None => {
                     let mut bind = BytesMut::new();
-                    if slot == 0 {
+                    if slot < 2 {
                         msg::bind_text(&mut bind, CHECK_NAME, statement, &[]);
                     } else {
                         let params = sql::check_params(&self.check_args(force));
