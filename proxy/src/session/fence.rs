@@ -217,6 +217,7 @@ impl Session {
         CHECK_NAME
     }
 
+    /// Parses one of pgfence's statements upstream; its ParseComplete is pgfence's own.
     fn prepare_injected(&mut self, name: &[u8], sql: &[u8]) {
         msg::parse(&mut self.to_server, name, sql);
         self.replies
