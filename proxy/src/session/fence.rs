@@ -40,6 +40,28 @@ pub const SESSION_CHECK_NAME: &[u8] = b"pgfence_check_session";
 pub const FAST_REJECT_NAME: &[u8] = b"pgfence_fast_reject";
 const FAST_REJECT_SQL: &[u8] = b"SELECT pgfence.fast_reject($1::text, $2::bigint, $3::bigint)";
 
+/// The statements a check can bind (all three may exist on one upstream connection).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CheckStatement {
+    /// [`sql::guarded_check_sql`], for a session that looks unfenced: no parameters.
+    Guarded,
+    /// The call with the session's constants as literals ([`sql::check_call_literal`]): no
+    /// parameters.
+    Session,
+    /// [`sql::CHECK_SQL`], six parameters: for comment directives, or `force`.
+    Plain,
+}
+
+impl CheckStatement {
+    fn name(self) -> &'static [u8] {
+        match self {
+            CheckStatement::Guarded => GUARDED_CHECK_NAME,
+            CheckStatement::Session => SESSION_CHECK_NAME,
+            CheckStatement::Plain => CHECK_NAME,
+        }
+    }
+}
+
 /// Fence settings of one session, fixed when it starts.
 #[derive(Debug)]
 pub struct FenceSettings {
@@ -52,13 +74,12 @@ pub struct FenceSettings {
     /// could change them (the fast path's knowledge of the session token).
     pub session_resource: Option<Resource>,
     pub session_token: Option<Token>,
-    /// pgfence's statements exist on the upstream connection.
-    pub check_prepared: bool,
-    pub guarded_check_prepared: bool,
-    pub session_check_prepared: bool,
+    /// pgfence's statements exist on the upstream connection: the checks (by
+    /// [`CheckStatement`]) and the fast path's rejection.
+    checks_prepared: [bool; 3],
     pub fast_reject_prepared: bool,
     /// The check's Bind messages for a transaction without fencing comments, which depend
-    /// only on these settings: built once each (guarded; the session's; plain with `force`).
+    /// only on these settings, by [`CheckStatement`] (the plain one's is with `force`).
     binds: [Option<Bytes>; 3],
     /// The session has shown signs of being fenced (fencing settings at startup, a default
     /// resource, or its last check accepted a token): its checks skip the guard of
@@ -110,9 +131,7 @@ impl FenceSettings {
             client: peer.to_string(),
             session_resource,
             session_token,
-            check_prepared: false,
-            guarded_check_prepared: false,
-            session_check_prepared: false,
+            checks_prepared: [false; 3],
             fast_reject_prepared: false,
             binds: Default::default(),
             looks_fenced,
@@ -122,9 +141,7 @@ impl FenceSettings {
     /// pgfence's prepared statements are gone from the upstream connection (`DISCARD`,
     /// `DEALLOCATE ALL`, or a Parse that failed): the next use prepares them again.
     pub fn forget_prepared(&mut self) {
-        self.check_prepared = false;
-        self.guarded_check_prepared = false;
-        self.session_check_prepared = false;
+        self.checks_prepared = [false; 3];
         self.fast_reject_prepared = false;
     }
 
@@ -185,66 +202,57 @@ impl Session {
         }
     }
 
-    /// Prepares the check statement this transaction's check uses, if needed; its name.
+    /// Prepares the check statement this transaction's check uses, if needed.
     ///
     /// A transaction without fencing comments and without `force` passes only what is
     /// constant for the session (its default resource, the policy's `allow_missing`, the
     /// client address), so its statement has these as literals and no parameters: a Bind
     /// converts nothing (docs/fence-locking.md). While the session looks unfenced, that
     /// statement is the guarded one.
-    fn prepare_check(&mut self, force: bool) -> &'static [u8] {
-        if !force && self.tx.directives.is_empty() {
-            if !self.fence.looks_fenced && self.fence.default_resource.is_none() {
-                if !self.fence.guarded_check_prepared {
-                    self.fence.guarded_check_prepared = true;
-                    let sql = sql::guarded_check_sql(&self.fence.allow_missing, &self.fence.client);
-                    self.prepare_injected(GUARDED_CHECK_NAME, &sql);
+    fn prepare_check(&mut self, force: bool) -> CheckStatement {
+        let statement = if force || !self.tx.directives.is_empty() {
+            CheckStatement::Plain
+        } else if !self.fence.looks_fenced && self.fence.default_resource.is_none() {
+            CheckStatement::Guarded
+        } else {
+            CheckStatement::Session
+        };
+        if !self.fence.checks_prepared[statement as usize] {
+            self.fence.checks_prepared[statement as usize] = true;
+            let sql = match statement {
+                CheckStatement::Guarded => {
+                    sql::guarded_check_sql(&self.fence.allow_missing, &self.fence.client)
                 }
-                return GUARDED_CHECK_NAME;
-            }
-            if !self.fence.session_check_prepared {
-                self.fence.session_check_prepared = true;
-                let mut sql = Vec::with_capacity(128);
-                self.check_literal(&mut sql);
-                self.prepare_injected(SESSION_CHECK_NAME, &sql);
-            }
-            return SESSION_CHECK_NAME;
+                CheckStatement::Session => {
+                    let mut sql = Vec::with_capacity(128);
+                    self.check_literal(&mut sql);
+                    sql
+                }
+                CheckStatement::Plain => sql::CHECK_SQL.as_bytes().to_vec(),
+            };
+            msg::parse(&mut self.to_server, statement.name(), &sql);
+            self.replies
+                .push(Request::Parse, Origin::Injected(Injected::PrepareCheck));
         }
-        if !self.fence.check_prepared {
-            self.fence.check_prepared = true;
-            self.prepare_injected(CHECK_NAME, sql::CHECK_SQL.as_bytes());
-        }
-        CHECK_NAME
-    }
-
-    /// Parses one of pgfence's statements upstream; its ParseComplete is pgfence's own.
-    fn prepare_injected(&mut self, name: &[u8], sql: &[u8]) {
-        msg::parse(&mut self.to_server, name, sql);
-        self.replies
-            .push(Request::Parse, Origin::Injected(Injected::PrepareCheck));
+        statement
     }
 
     /// Injects the check (extended protocol messages) into the upstream stream, here.
     pub(super) fn inject_check(&mut self, force: bool) {
         let statement = self.prepare_check(force);
         if self.tx.directives.is_empty() {
-            // Bind messages that depend only on the session: the guarded statement's and the
-            // session statement's (no parameters), and the plain statement's with `force`.
-            let slot = match statement {
-                GUARDED_CHECK_NAME => 0,
-                SESSION_CHECK_NAME => 1,
-                _ => 2,
-            };
+            let slot = statement as usize;
             let bind = match self.fence.binds[slot].take() {
                 Some(bind) => bind,
                 None => {
                     let mut bind = BytesMut::new();
-                    if slot < 2 {
-                        msg::bind_text(&mut bind, CHECK_NAME, statement, &[]);
-                    } else {
-                        let params = sql::check_params(&self.check_args(force));
-                        msg::bind_text(&mut bind, CHECK_NAME, statement, &params);
-                    }
+                    let params = match statement {
+                        CheckStatement::Plain => {
+                            sql::check_params(&self.check_args(force)).to_vec()
+                        }
+                        CheckStatement::Guarded | CheckStatement::Session => Vec::new(),
+                    };
+                    msg::bind_text(&mut bind, CHECK_NAME, statement.name(), &params);
                     bind.freeze()
                 }
             };
@@ -252,7 +260,7 @@ impl Session {
             self.fence.binds[slot] = Some(bind);
         } else {
             let params = sql::check_params(&self.check_args(force));
-            msg::bind_text(&mut self.to_server, CHECK_NAME, statement, &params);
+            msg::bind_text(&mut self.to_server, CHECK_NAME, statement.name(), &params);
         }
         self.replies
             .push(Request::Bind, Origin::Injected(Injected::Check));
