@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use clap::Parser;
 
 use crate::error::{Error, Result};
-use crate::plan::{Mode, Setup, Workload};
+use crate::plan::{Mode, Setup, Transport, Workload};
 
 /// pgfence-bench: what pgfence costs, measured with pgbench against PostgreSQL directly,
 /// PgBouncer and pgfence side by side.
@@ -57,6 +57,16 @@ pub struct Args {
     /// Do not run `pgbench -i`: use the pgbench tables already in --database.
     #[arg(long, help_heading = "Server")]
     pub skip_init: bool,
+    /// How pgfence and PgBouncer reach the throwaway server: `tcp` (127.0.0.1) or `unix` (its
+    /// Unix-domain socket, as proxies on the database's host would). pgbench connects over
+    /// TCP either way, to the proxies and to PostgreSQL directly.
+    #[arg(
+        long,
+        value_name = "HOW",
+        default_value = "tcp",
+        help_heading = "Server"
+    )]
+    pub proxy_upstream: Transport,
     /// Extra postgresql.conf line for the throwaway server, NAME=VALUE (repeatable; wins
     /// over the runner's settings: shared_buffers=256MB, synchronous_commit=off,
     /// max_connections = max(100, idle sessions + 50)). E.g. --pg-setting
@@ -202,6 +212,12 @@ impl Args {
                 )));
             }
         }
+        if self.upstream.is_some() && self.proxy_upstream == Transport::Unix {
+            return bad(
+                "--proxy-upstream unix applies to the throwaway server: with --upstream, \
+                 everything connects to the address given",
+            );
+        }
         if self.upstream.is_some() && !self.pg_setting.is_empty() {
             return bad("--pg-setting applies to the throwaway server, not to --upstream");
         }
@@ -246,6 +262,9 @@ impl Args {
         }
         for s in &self.pg_setting {
             opt("pg-setting", s.clone());
+        }
+        if self.upstream.is_none() {
+            opt("proxy-upstream", self.proxy_upstream.key().to_string());
         }
         opt(
             "configs",

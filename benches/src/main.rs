@@ -29,6 +29,7 @@ use crate::cli::Args;
 use crate::db::{Db, Login};
 use crate::error::{Error, Result};
 use crate::pgbench::{Bench, Scripts};
+use crate::plan::Transport;
 use crate::report::{Environment, Report};
 use crate::stack::{Programs, Stack, RESOURCE, TOKEN};
 use crate::stale::{Tokens, STALE_RESOURCE};
@@ -280,6 +281,10 @@ fn environment(
         pgfence_threads: args.pgfence_threads.unwrap_or_else(|| {
             std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
         }),
+        proxy_upstream: match args.proxy_upstream {
+            Transport::Tcp => "TCP".to_string(),
+            Transport::Unix => "its Unix-domain socket".to_string(),
+        },
     })
 }
 

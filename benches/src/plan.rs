@@ -124,6 +124,26 @@ impl Mode {
     }
 }
 
+/// How the proxies reach PostgreSQL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Transport {
+    /// TCP to the server's address.
+    Tcp,
+    /// The throwaway server's Unix-domain socket, as a proxy on the database's host would.
+    Unix,
+}
+
+impl Transport {
+    /// The value of `--proxy-upstream`.
+    pub fn key(self) -> &'static str {
+        match self {
+            Transport::Tcp => "tcp",
+            Transport::Unix => "unix",
+        }
+    }
+}
+
 /// One workload at one mode and client count: a group of bars in the chart.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct Cell {

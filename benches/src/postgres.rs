@@ -74,6 +74,7 @@ pub struct Cluster {
     data: PathBuf,
     log: PathBuf,
     port: u16,
+    socket_dir: PathBuf,
     running: bool,
 }
 
@@ -98,6 +99,7 @@ impl Cluster {
             data: dir.join("data"),
             log: dir.join("postgresql.log"),
             port: 0,
+            socket_dir: socket_dir.clone(),
             running: false,
         };
         let mut initdb = proc::command(&bin.join("initdb"), owner);
@@ -146,6 +148,11 @@ impl Cluster {
             }
         }
         Err(last.unwrap_or(Error::Interrupted))
+    }
+
+    /// The directory of its Unix-domain socket.
+    pub fn socket_dir(&self) -> &Path {
+        &self.socket_dir
     }
 
     /// The TCP port on 127.0.0.1.

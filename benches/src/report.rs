@@ -45,6 +45,8 @@ pub struct Environment {
     pub server: String,
     /// pgfence's worker threads.
     pub pgfence_threads: usize,
+    /// How the proxies reach the server: "TCP" or "its Unix-domain socket".
+    pub proxy_upstream: String,
 }
 
 /// A table: headers, rows, and which columns are numbers (right-aligned).
@@ -490,7 +492,7 @@ pub fn markdown(r: &Report) -> String {
     out.push_str(&format!(
         "- machine: {} CPUs, load average {} at the start and {} at the end; {}\n\
          - server: {} ({}); {}; {}\n\
-         - pgfence: {}, {} worker thread(s)\n\
+         - pgfence: {}, {} worker thread(s); the proxies reach the server over {}\n\
          - pgbench scale {}, {} s per run, {} round(s) per configuration, interleaved\n\n",
         e.cpus,
         e.load_average_start,
@@ -502,6 +504,7 @@ pub fn markdown(r: &Report) -> String {
         e.pgbouncer.as_deref().unwrap_or("PgBouncer not installed"),
         e.pgfence_git.as_deref().unwrap_or("unknown commit"),
         e.pgfence_threads,
+        e.proxy_upstream,
         r.scale,
         r.duration_secs,
         r.rounds,

@@ -13,7 +13,7 @@ use tempfile::TempDir;
 
 use crate::cli::Args;
 use crate::error::{Error, Result};
-use crate::plan::Setup;
+use crate::plan::{Setup, Transport};
 use crate::postgres::{self, Cluster};
 use crate::proc::{self, Daemon, ServerUser, HOST};
 
@@ -169,6 +169,9 @@ pub struct Stack {
     /// Where PostgreSQL listens.
     pub pg_host: String,
     pub pg_port: u16,
+    /// Where the proxies reach PostgreSQL: `pg_host`, or the throwaway server's socket
+    /// directory with `--proxy-upstream unix`.
+    pub proxy_host: String,
     pub owner: Option<ServerUser>,
     pub programs: Programs,
     /// `--threads` for pgfence (`None`: its default).
@@ -194,6 +197,7 @@ impl Stack {
             cluster: None,
             pg_host: HOST.to_string(),
             pg_port: 0,
+            proxy_host: HOST.to_string(),
             owner,
             programs,
             pgfence_threads: args.pgfence_threads,
@@ -202,8 +206,9 @@ impl Stack {
         match &args.upstream {
             Some(up) => {
                 let (host, port) = split_host_port(up)?;
-                stack.pg_host = host;
+                stack.pg_host = host.clone();
                 stack.pg_port = port;
+                stack.proxy_host = host;
             }
             None => {
                 let bin = stack.programs.pg_bin.clone().ok_or(Error::MissingTool {
@@ -227,6 +232,9 @@ impl Stack {
                     &[],
                 )?;
                 stack.pg_port = cluster.port();
+                if args.proxy_upstream == Transport::Unix {
+                    stack.proxy_host = cluster.socket_dir().display().to_string();
+                }
                 stack.cluster = Some(cluster);
             }
         }
@@ -286,12 +294,13 @@ impl Stack {
         Ok(())
     }
 
-    /// PostgreSQL as pgfence's `--upstream` value.
+    /// PostgreSQL as pgfence's `--upstream` value (a socket directory with
+    /// `--proxy-upstream unix`).
     pub fn upstream(&self) -> String {
-        if self.pg_host.contains(':') {
-            format!("[{}]:{}", self.pg_host, self.pg_port)
+        if self.proxy_host.contains(':') {
+            format!("[{}]:{}", self.proxy_host, self.pg_port)
         } else {
-            format!("{}:{}", self.pg_host, self.pg_port)
+            format!("{}:{}", self.proxy_host, self.pg_port)
         }
     }
 
@@ -375,7 +384,7 @@ impl Stack {
              log_connections = 0\n\
              log_disconnections = 0\n",
             db = args.database,
-            host = self.pg_host,
+            host = self.proxy_host,
             pg_port = self.pg_port,
             users = users_path.display(),
             max_conn = max_clients + 100,

@@ -51,7 +51,9 @@ impl Default for Config {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Upstream {
-    /// Host name or IP address of PostgreSQL. Default `127.0.0.1`.
+    /// Host name or IP address of PostgreSQL, or the directory of its Unix-domain socket
+    /// (a path starting with `/`, as libpq and PgBouncer read `host`: the socket is
+    /// `<host>/.s.PGSQL.<port>`). Default `127.0.0.1`.
     pub host: String,
     /// Port of PostgreSQL. Default `5432`.
     pub port: u16,
@@ -387,7 +389,13 @@ impl Source {
 }
 
 impl Upstream {
-    /// Parses `host:port`, `[v6]:port` or a bare host (port 5432).
+    /// The host is the directory of a Unix-domain socket (it starts with `/`).
+    pub fn is_socket_dir(&self) -> bool {
+        self.host.starts_with('/')
+    }
+
+    /// Parses `host:port`, `[v6]:port` or a bare host (port 5432); a host starting with `/`
+    /// is a socket directory (`/var/run/postgresql:5432`).
     pub fn parse(s: &str) -> Result<Upstream, String> {
         let bad = || format!("invalid upstream {s:?}: expected HOST:PORT");
         if let Some(rest) = s.strip_prefix('[') {

@@ -91,6 +91,13 @@ fn upstream_addresses_parse() {
     );
     assert!(Upstream::parse("db:x").is_err());
     assert!(Upstream::parse("").is_err());
+    // A socket directory, as libpq and PgBouncer take `host`.
+    let socket = Upstream::parse("/var/run/postgresql:5433").unwrap();
+    assert_eq!(socket.host, "/var/run/postgresql");
+    assert_eq!(socket.port, 5433);
+    assert!(socket.is_socket_dir());
+    assert_eq!(Upstream::parse("/tmp").unwrap().port, 5432);
+    assert!(!Upstream::parse("db:6543").unwrap().is_socket_dir());
 }
 
 #[test]

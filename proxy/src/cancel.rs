@@ -2,16 +2,16 @@
 //! that carries it is forwarded to the upstream backend that serves that client, with the
 //! upstream's real key. An unknown key does nothing, as in PostgreSQL.
 
-use std::net::SocketAddr;
-
 use dashmap::DashMap;
 use tokio::io::AsyncWriteExt;
-use tokio::net::TcpStream;
+use tokio::net::{TcpStream, UnixStream};
+
+use crate::net::UpstreamAddr;
 
 /// Where a cancel for one client session must go.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct CancelTarget {
-    pub upstream: SocketAddr,
+    pub upstream: UpstreamAddr,
     pub pid: i32,
     pub key: i32,
 }
@@ -42,18 +42,27 @@ impl CancelRegistry {
 
     /// The session a client's cancel refers to.
     pub fn lookup(&self, pid: i32, key: i32) -> Option<CancelTarget> {
-        self.sessions.get(&(pid, key)).map(|t| *t)
+        self.sessions.get(&(pid, key)).map(|t| t.clone())
     }
 }
 
 /// Sends a CancelRequest for `target` to its upstream server.
 pub async fn send_cancel(target: CancelTarget) -> std::io::Result<()> {
-    let mut stream = TcpStream::connect(target.upstream).await?;
     let mut packet = [0u8; 16];
     packet[0..4].copy_from_slice(&16u32.to_be_bytes());
     packet[4..8].copy_from_slice(&80877102u32.to_be_bytes());
     packet[8..12].copy_from_slice(&target.pid.to_be_bytes());
     packet[12..16].copy_from_slice(&target.key.to_be_bytes());
-    stream.write_all(&packet).await?;
-    stream.shutdown().await
+    match &target.upstream {
+        UpstreamAddr::Tcp(addr) => {
+            let mut stream = TcpStream::connect(addr).await?;
+            stream.write_all(&packet).await?;
+            stream.shutdown().await
+        }
+        UpstreamAddr::Unix(path) => {
+            let mut stream = UnixStream::connect(path).await?;
+            stream.write_all(&packet).await?;
+            stream.shutdown().await
+        }
+    }
 }

@@ -10,6 +10,7 @@ mod deadline;
 pub mod error;
 pub mod install;
 pub mod metrics;
+pub mod net;
 pub mod pool;
 pub mod protocol;
 mod server;

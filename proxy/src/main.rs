@@ -28,7 +28,9 @@ struct Cli {
     /// Address to accept clients on [default: 127.0.0.1:6432].
     #[arg(long, env = "PGFENCE_LISTEN", global = true)]
     listen: Option<SocketAddr>,
-    /// Upstream PostgreSQL as HOST:PORT (or HOST, port 5432) [default: 127.0.0.1:5432].
+    /// Upstream PostgreSQL as HOST:PORT (or HOST, port 5432); a HOST starting with / is the
+    /// directory of its Unix-domain socket, e.g. /var/run/postgresql:5432
+    /// [default: 127.0.0.1:5432].
     #[arg(long, env = "PGFENCE_UPSTREAM", global = true)]
     upstream: Option<String>,
     /// Log format: text or json [default: text]. Filter with RUST_LOG (default: info).

@@ -10,7 +10,6 @@
 //! that takes one registers it with its own I/O driver.
 
 use std::collections::HashMap;
-use std::io::Write;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -18,6 +17,8 @@ use pgfence_config::Pool as PoolConfig;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use tracing::debug;
+
+use crate::net::StdStream;
 
 /// What a parked connection is kept under.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -70,7 +71,7 @@ pub struct IdleServer {
 /// An idle server connection.
 #[derive(Debug)]
 pub struct Parked {
-    pub stream: std::net::TcpStream,
+    pub stream: StdStream,
     pub login: LoginReply,
     pub info: ServerInfo,
     /// When the connection was opened (for `server_lifetime`).
@@ -79,12 +80,7 @@ pub struct Parked {
 }
 
 impl Parked {
-    pub fn new(
-        stream: std::net::TcpStream,
-        login: LoginReply,
-        info: ServerInfo,
-        born: Instant,
-    ) -> Parked {
+    pub fn new(stream: StdStream, login: LoginReply, info: ServerInfo, born: Instant) -> Parked {
         Parked {
             stream,
             login,
@@ -103,8 +99,7 @@ impl Parked {
     /// the server ended (`pg_terminate_backend`, `idle_session_timeout`, a restart) has sent
     /// an error or EOF by now.
     fn quiet(&self) -> bool {
-        let mut byte = [0u8; 1];
-        matches!(self.stream.peek(&mut byte), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+        self.stream.quiet()
     }
 }
 

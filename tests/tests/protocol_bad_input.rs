@@ -512,6 +512,16 @@ fn cancel_with_unknown_key_does_nothing() {
     assert_error(error, "ERROR", "57014");
 }
 
+/// Logs in through pgfence at `addr`, which cannot reach its upstream: the one reply, a
+/// FATAL 08006, and its message.
+fn login_refused_upstream(addr: SocketAddr) -> String {
+    let mut conn = RawConn::connect(addr);
+    conn.send(&login_bytes());
+    let replies = conn.until_closed();
+    assert_eq!(replies.len(), 1, "{replies:?}");
+    assert_error(&replies[0], "FATAL", "08006")
+}
+
 #[test]
 fn upstream_down_gives_fatal_naming_it() {
     // Nothing listens on this port.
@@ -520,11 +530,7 @@ fn upstream_down_gives_fatal_naming_it() {
     config.upstream.port = dead_port;
     config.limits.connect_timeout = Duration::from_secs(2);
     let proxy = Proxy::start(config);
-    let mut conn = RawConn::connect(proxy.addr());
-    conn.send(&login_bytes());
-    let replies = conn.until_closed();
-    assert_eq!(replies.len(), 1, "{replies:?}");
-    let message = assert_error(&replies[0], "FATAL", "08006");
+    let message = login_refused_upstream(proxy.addr());
     let upstream = format!("127.0.0.1:{dead_port}");
     assert!(message.contains(&upstream), "{message}");
 
@@ -550,11 +556,7 @@ fn upstream_down_gives_fatal_naming_it() {
     let replies = conn.until_closed();
     assert_eq!(replies.len(), 1, "{replies:?}");
     assert_error(&replies[0], "FATAL", "57P01");
-    let mut conn = RawConn::connect(proxy.addr());
-    conn.send(&login_bytes());
-    let replies = conn.until_closed();
-    assert_eq!(replies.len(), 1, "{replies:?}");
-    let message = assert_error(&replies[0], "FATAL", "08006");
+    let message = login_refused_upstream(proxy.addr());
     assert!(
         message.contains(&format!("127.0.0.1:{}", cluster.port())),
         "{message}"
@@ -568,6 +570,18 @@ fn upstream_down_gives_fatal_naming_it() {
         .filter_map(|m| m.data_row())
         .collect();
     assert_eq!(rows, vec![vec![Some(b"back".to_vec())]]);
+}
+
+#[test]
+fn missing_upstream_socket_gives_fatal_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = pgfence_config::Config::default();
+    config.upstream.host = dir.path().display().to_string();
+    config.upstream.port = 5999;
+    let proxy = Proxy::start(config);
+    let message = login_refused_upstream(proxy.addr());
+    let socket = dir.path().join(".s.PGSQL.5999").display().to_string();
+    assert!(message.contains(&socket), "{message}");
 }
 
 #[test]

@@ -57,6 +57,25 @@ async fn stat(proxy: &Proxy, name: &str) -> u64 {
     panic!("SHOW STATS has no {name}");
 }
 
+/// Runs `pg_sleep(30)` on `client` and cancels it with the key pgfence gave the client:
+/// 57014, and the client is handed back.
+async fn cancelled_sleep(client: Client) -> Client {
+    let cancel = client.cancel_token();
+    let sleeper = tokio::spawn(async move {
+        let r = client.batch_execute("SELECT pg_sleep(30)").await;
+        (client, r)
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    cancel.cancel_query(NoTls).await.unwrap();
+    let (client, r) = tokio::time::timeout(WAIT, sleeper).await.unwrap().unwrap();
+    assert_eq!(
+        harness::fence::sqlstate(&r).as_deref(),
+        Some("57014"),
+        "{r:?}"
+    );
+    client
+}
+
 /// Waits until SHOW STATS says `servers_idle` is `n`.
 async fn wait_idle_servers(proxy: &Proxy, n: u64) {
     let start = Instant::now();
@@ -198,19 +217,7 @@ async fn idle_server_is_reset_and_reused() {
     );
 
     // Cancel reaches the reused backend through the key pgfence gave this client.
-    let cancel = second.cancel_token();
-    let sleeper = tokio::spawn(async move {
-        let r = second.batch_execute("SELECT pg_sleep(30)").await;
-        (second, r)
-    });
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    cancel.cancel_query(NoTls).await.unwrap();
-    let (_second, r) = tokio::time::timeout(WAIT, sleeper).await.unwrap().unwrap();
-    assert_eq!(
-        harness::fence::sqlstate(&r).as_deref(),
-        Some("57014"),
-        "{r:?}"
-    );
+    let _second = cancelled_sleep(second).await;
     assert_eq!(stat(&proxy, "servers_reused").await, 1);
     let n: i64 = direct
         .query_one("SELECT count(*) FROM pooled", &[])
@@ -443,4 +450,98 @@ async fn reuse_off_and_idle_timeout() {
     // The sweep runs every second: closed within about 1.5 s of being kept.
     wait_idle_servers(&short, 0).await;
     wait_backend_gone(&direct, pid).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unix_socket_upstream() {
+    let cluster = PgCluster::start();
+    let socket_dir = cluster.socket_dir().display().to_string();
+    let proxy = proxy_with(&cluster, |c| c.upstream.host = socket_dir.clone());
+    let direct = cluster.connect(APP_DB).await;
+    direct
+        .batch_execute("CREATE TABLE over_unix (x int)")
+        .await
+        .unwrap();
+
+    // The backend's client is a Unix-domain socket: no server address (TCP would have one).
+    let first = proxy.connect(APP_DB).await;
+    let over: Option<String> = first
+        .query_one("SELECT inet_server_addr()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        over, None,
+        "the proxy's upstream connection is not over TCP"
+    );
+    let tcp: Option<String> = direct
+        .query_one("SELECT inet_server_addr()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(tcp.is_some(), "the direct connection is over TCP");
+
+    // The fence: a token accepted, a stale one rejected with FN001.
+    first
+        .batch_execute(
+            "SET fencing.resource = 'unix'; SET fencing.token = '5'; \
+             INSERT INTO over_unix VALUES (1)",
+        )
+        .await
+        .unwrap();
+    let stale = proxy.connect(APP_DB).await;
+    stale
+        .batch_execute("SET fencing.resource = 'unix'; SET fencing.token = '4'")
+        .await
+        .unwrap();
+    let r = stale
+        .batch_execute("INSERT INTO over_unix VALUES (2)")
+        .await;
+    assert_eq!(
+        harness::fence::sqlstate(&r).as_deref(),
+        Some("FN001"),
+        "{r:?}"
+    );
+    drop(stale);
+
+    // Cancel goes to the backend over the same socket.
+    let pid = backend_pid(&first).await;
+    let first = cancelled_sleep(first).await;
+
+    // Kept between clients, and handed out only while the server has not closed it.
+    drop(first);
+    wait_idle_servers(&proxy, 2).await;
+    let second = proxy.connect(APP_DB).await;
+    let reused = backend_pid(&second).await;
+    assert_eq!(stat(&proxy, "servers_reused").await, 1);
+    drop(second);
+    wait_idle_servers(&proxy, 2).await;
+    let kept: Vec<i32> = direct
+        .query(
+            "SELECT pid FROM pg_stat_activity WHERE backend_type = 'client backend' \
+             AND datname = $1 AND pid <> pg_backend_pid() AND client_addr IS NULL",
+            &[&APP_DB],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(kept.contains(&pid) || kept.contains(&reused), "{kept:?}");
+    for victim in &kept {
+        direct
+            .execute("SELECT pg_terminate_backend($1)", &[victim])
+            .await
+            .unwrap();
+        wait_backend_gone(&direct, *victim).await;
+    }
+    let third = proxy.connect(APP_DB).await;
+    assert!(!kept.contains(&backend_pid(&third).await));
+    assert_eq!(stat(&proxy, "servers_reused").await, 1);
+    let n: i64 = direct
+        .query_one("SELECT count(*) FROM over_unix", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 1);
 }

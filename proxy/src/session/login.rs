@@ -45,7 +45,7 @@ impl Session {
                 self.backend_pid = pid;
                 self.login.backend_key = frame.into();
                 let (cpid, ckey) = self.shared.cancel.register(CancelTarget {
-                    upstream: self.upstream,
+                    upstream: self.upstream.clone(),
                     pid,
                     key,
                 });

@@ -26,6 +26,8 @@ use fence_core::classify::Analysis;
 use pgfence_config::Config;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+
+use crate::net::{Stream, UpstreamAddr};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, debug_span, warn, Instrument};
 
@@ -277,7 +279,7 @@ async fn run_session(
         .and_then(|p| {
             let born = p.born;
             let login = p.login;
-            TcpStream::from_std(p.stream).ok().map(|s| (s, born, login))
+            Stream::from_std(p.stream).ok().map(|s| (s, born, login))
         });
     let (mut server, born, reused) = match parked {
         Some((s, born, login)) => (s, born, Some(login)),
@@ -297,7 +299,7 @@ async fn run_session(
             }
         },
     };
-    let upstream_addr = server.peer_addr().map_err(SessionError::ServerIo)?;
+    let upstream_addr = server.peer().map_err(SessionError::ServerIo)?;
     shared.metrics.upstream_connections.inc();
     let _upstream = scopeguard(|| {
         shared.metrics.upstream_connections.dec();
@@ -346,7 +348,7 @@ pub(crate) struct Session {
     user: String,
     database: String,
     application_name: String,
-    upstream: SocketAddr,
+    upstream: UpstreamAddr,
     /// The upstream backend's real pid (0 until BackendKeyData).
     backend_pid: i32,
     /// The key pgfence gave the client, registered for cancel routing.
@@ -408,7 +410,7 @@ impl Session {
         id: u64,
         peer: SocketAddr,
         startup: &Startup,
-        upstream: SocketAddr,
+        upstream: UpstreamAddr,
     ) -> Session {
         let user = startup.user();
         let database = startup.database();
@@ -458,7 +460,7 @@ impl Session {
     async fn run(
         &mut self,
         mut client: TcpStream,
-        server: &mut TcpStream,
+        server: &mut Stream,
         mut cbuf: BytesMut,
         stop: &Stop,
     ) -> Result<(), SessionError> {
@@ -697,7 +699,7 @@ impl Session {
 
     /// After the client left: keeps the server connection for the next client when it can
     /// be reset, else ends the server session with Terminate.
-    async fn release(&mut self, mut server: TcpStream, born: Instant, key: Option<PoolKey>) {
+    async fn release(&mut self, mut server: Stream, born: Instant, key: Option<PoolKey>) {
         if let Some(key) = key.filter(|_| self.poolable()) {
             match crate::deadline::timeout(RESET_TIMEOUT, self.reset(&mut server)).await {
                 Ok(Ok(())) => {
@@ -729,7 +731,7 @@ impl Session {
     /// `DISCARD ALL` (PgBouncer's `server_reset_query`): drops what the session left
     /// behind (settings, prepared statements, temporary tables, LISTEN, session advisory
     /// locks) and records the parameters it reports back.
-    async fn reset(&mut self, server: &mut TcpStream) -> Result<(), SessionError> {
+    async fn reset(&mut self, server: &mut Stream) -> Result<(), SessionError> {
         let mut out = BytesMut::new();
         crate::protocol::message::query(&mut out, b"DISCARD ALL");
         server

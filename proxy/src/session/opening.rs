@@ -8,6 +8,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use crate::error::SessionError;
+use crate::net::Stream;
 use crate::protocol::startup::{next_startup, Startup, StartupPacket};
 
 use super::READ_CHUNK;
@@ -24,15 +25,14 @@ pub(super) async fn tell_client(
     Err(e)
 }
 
-pub(super) async fn connect_upstream(config: &Config) -> Result<TcpStream, String> {
-    let target = (config.upstream.host.as_str(), config.upstream.port);
-    match crate::deadline::timeout(config.limits.connect_timeout, TcpStream::connect(target)).await
-    {
-        Ok(Ok(s)) => {
-            let _ = s.set_nodelay(true);
-            Ok(s)
-        }
-        Ok(Err(e)) => Err(e.to_string()),
+pub(super) async fn connect_upstream(config: &Config) -> Result<Stream, String> {
+    let connect = Stream::connect(&config.upstream);
+    match crate::deadline::timeout(config.limits.connect_timeout, connect).await {
+        Ok(Ok(s)) => Ok(s),
+        Ok(Err(e)) => Err(match crate::net::socket_path(&config.upstream) {
+            Some(path) => format!("{e} (socket {})", path.display()),
+            None => e.to_string(),
+        }),
         Err(_) => Err(format!(
             "timed out after {:?}",
             config.limits.connect_timeout
