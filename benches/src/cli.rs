@@ -332,6 +332,24 @@ mod tests {
     }
 
     #[test]
+    fn proxy_upstream_is_for_the_throwaway_server() {
+        let mut unix = Args::parse_from(["pgfence-bench", "--proxy-upstream", "unix"]);
+        unix.validate().unwrap();
+        assert!(unix.reproduce().contains("--proxy-upstream unix"));
+        let mut other = Args::parse_from([
+            "pgfence-bench",
+            "--upstream",
+            "db:5432",
+            "--proxy-upstream",
+            "unix",
+        ]);
+        assert!(matches!(other.validate(), Err(Error::Usage(m)) if m.contains("--upstream")));
+        let mut tcp = Args::parse_from(["pgfence-bench", "--upstream", "db:5432"]);
+        tcp.validate().unwrap();
+        assert!(!tcp.reproduce().contains("--proxy-upstream"));
+    }
+
+    #[test]
     fn quoting() {
         assert_eq!(
             shell_quote("synchronous_commit=on"),
