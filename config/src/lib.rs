@@ -19,6 +19,10 @@ use serde::{Deserialize, Serialize};
 pub struct Config {
     /// Where clients connect. Default `127.0.0.1:6432`.
     pub listen: SocketAddr,
+    /// A directory where clients can also connect through a Unix-domain socket,
+    /// `<dir>/.s.PGSQL.<listen port>` (PgBouncer's `unix_socket_dir`): `psql -h <dir> -p
+    /// <port>`. Default: none (TCP only).
+    pub unix_socket_dir: Option<String>,
     /// The PostgreSQL server every session is forwarded to.
     pub upstream: Upstream,
     /// Connection limits and timeouts.
@@ -37,6 +41,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             listen: SocketAddr::from(([127, 0, 0, 1], 6432)),
+            unix_socket_dir: None,
             upstream: Upstream::default(),
             limits: Limits::default(),
             pool: Pool::default(),
@@ -336,6 +341,7 @@ pub enum ConfigError {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Overrides {
     pub listen: Option<SocketAddr>,
+    pub unix_socket_dir: Option<String>,
     pub upstream: Option<Upstream>,
     pub log_format: Option<LogFormat>,
     pub metrics_addr: Option<SocketAddr>,
@@ -348,6 +354,9 @@ impl Overrides {
     pub fn apply(&self, config: &mut Config) {
         if let Some(listen) = self.listen {
             config.listen = listen;
+        }
+        if let Some(dir) = &self.unix_socket_dir {
+            config.unix_socket_dir = Some(dir.clone());
         }
         if let Some(upstream) = &self.upstream {
             config.upstream = upstream.clone();
@@ -420,11 +429,21 @@ impl Upstream {
 }
 
 impl Config {
+    /// The socket file clients connect to in `unix_socket_dir`, if one is set.
+    pub fn client_socket_path(&self) -> Option<std::path::PathBuf> {
+        self.unix_socket_dir
+            .as_ref()
+            .map(|dir| Path::new(dir).join(format!(".s.PGSQL.{}", self.listen.port())))
+    }
+
     /// Settings that only take effect at start: what differs between `self` and `new`.
     pub fn restart_only_changes(&self, new: &Config) -> Vec<&'static str> {
         let mut changed = Vec::new();
         if self.listen != new.listen {
             changed.push("listen");
+        }
+        if self.unix_socket_dir != new.unix_socket_dir {
+            changed.push("unix_socket_dir");
         }
         if self.telemetry.metrics_addr != new.telemetry.metrics_addr {
             changed.push("telemetry.metrics_addr");
@@ -466,6 +485,13 @@ impl Config {
         }
         if self.upstream.port == 0 {
             return invalid("upstream.port must not be 0".into());
+        }
+        if let Some(dir) = &self.unix_socket_dir {
+            if !dir.starts_with('/') {
+                return invalid(format!(
+                    "unix_socket_dir {dir:?} must be an absolute directory path"
+                ));
+            }
         }
         if self.limits.max_client_connections == 0 {
             return invalid("limits.max_client_connections must be at least 1".into());

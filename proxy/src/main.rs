@@ -28,6 +28,15 @@ struct Cli {
     /// Address to accept clients on [default: 127.0.0.1:6432].
     #[arg(long, env = "PGFENCE_LISTEN", global = true)]
     listen: Option<SocketAddr>,
+    /// Also accept clients on a Unix-domain socket in DIR, DIR/.s.PGSQL.<listen port>
+    /// [default: none].
+    #[arg(
+        long,
+        value_name = "DIR",
+        env = "PGFENCE_UNIX_SOCKET_DIR",
+        global = true
+    )]
+    unix_socket_dir: Option<String>,
     /// Upstream PostgreSQL as HOST:PORT (or HOST, port 5432); a HOST starting with / is the
     /// directory of its Unix-domain socket, e.g. /var/run/postgresql:5432
     /// [default: 127.0.0.1:5432].
@@ -86,6 +95,7 @@ fn source(cli: &Cli) -> Result<Source, String> {
         path: cli.config.clone(),
         overrides: Overrides {
             listen: cli.listen,
+            unix_socket_dir: cli.unix_socket_dir.clone(),
             upstream,
             log_format: cli.log_format,
             metrics_addr: cli.metrics_addr,
@@ -178,6 +188,12 @@ async fn serve(config: Config, source: Source, threads: usize) -> Result<(), Str
                 .await?;
         }
     }
+    let socket_path = config.client_socket_path();
+    // Before the TCP port: whoever sees that accept clients may use the socket too.
+    let unix = match &socket_path {
+        Some(path) => Some(pgfence::net::bind_client_socket(path)?),
+        None => None,
+    };
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
@@ -191,6 +207,7 @@ async fn serve(config: Config, source: Source, threads: usize) -> Result<(), Str
     };
     info!(
         listen = %config.listen,
+        unix_socket = ?socket_path,
         upstream = %config.upstream,
         fence = config.fence.enabled,
         metrics = ?config.telemetry.metrics_addr,
@@ -205,9 +222,11 @@ async fn serve(config: Config, source: Source, threads: usize) -> Result<(), Str
     tokio::spawn(reload_on_sighup(shared.clone(), hup));
     let workers = pgfence::Workers::start(threads)
         .map_err(|e| format!("cannot start worker threads: {e}"))?;
-    pgfence::run_with(listener, shared, Some(workers), shutdown)
-        .await
-        .map_err(|e| e.to_string())
+    let served = pgfence::run_with(listener, unix, shared, Some(workers), shutdown).await;
+    if let Some(path) = &socket_path {
+        let _ = std::fs::remove_file(path);
+    }
+    served.map_err(|e| e.to_string())
 }
 
 /// SIGHUP reloads the configuration file, as RELOAD on the admin console does.

@@ -1,5 +1,6 @@
-//! The upstream connection's socket: TCP, or a Unix-domain socket when the upstream host is
-//! a directory (`/var/run/postgresql`), as libpq and PgBouncer read `host`.
+//! The sockets of a session: TCP, or Unix-domain sockets, for the upstream when its host is
+//! a directory (`/var/run/postgresql`, as libpq and PgBouncer read `host`) and for clients
+//! of `unix_socket_dir`.
 //!
 //! A Unix-domain socket skips the loopback TCP stack: at 8 clients on a 2-core machine,
 //! pgfence had 6 to 20% more TPS through it than over TCP to the same server
@@ -15,6 +16,23 @@ use std::task::{Context, Poll};
 use pgfence_config::Upstream;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{tcp, unix, TcpStream, UnixStream};
+
+/// Who a client is, in logs, `SHOW CLIENTS` and `pgfence.history`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientAddr {
+    Tcp(SocketAddr),
+    /// A client of the Unix-domain socket, shown as PostgreSQL shows one: `[local]`.
+    Local,
+}
+
+impl std::fmt::Display for ClientAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ClientAddr::Tcp(addr) => addr.fmt(f),
+            ClientAddr::Local => f.write_str("[local]"),
+        }
+    }
+}
 
 /// Where an upstream connection goes (the target of its clients' cancel requests).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -40,7 +58,30 @@ pub fn socket_path(upstream: &Upstream) -> Option<PathBuf> {
         .then(|| Path::new(&upstream.host).join(format!(".s.PGSQL.{}", upstream.port)))
 }
 
-/// A connected upstream socket.
+/// Binds the clients' Unix-domain socket at `path`, open to every local user as
+/// PostgreSQL's default `unix_socket_permissions` is (the server still authenticates). A
+/// socket file left by a pgfence that died is replaced; one that a live process accepts on
+/// is not.
+pub fn bind_client_socket(path: &Path) -> Result<tokio::net::UnixListener, String> {
+    use std::os::unix::fs::PermissionsExt;
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(format!(
+                "cannot listen on {}: another process accepts connections there",
+                path.display()
+            ));
+        }
+        std::fs::remove_file(path)
+            .map_err(|e| format!("cannot remove the stale socket {}: {e}", path.display()))?;
+    }
+    let listener = tokio::net::UnixListener::bind(path)
+        .map_err(|e| format!("cannot listen on {}: {e}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o777))
+        .map_err(|e| format!("cannot make {} accessible: {e}", path.display()))?;
+    Ok(listener)
+}
+
+/// A connected socket (upstream, or a client's).
 #[derive(Debug)]
 pub enum Stream {
     Tcp(TcpStream),
@@ -209,3 +250,34 @@ delegate_read!(Stream);
 delegate_read!(ReadHalf<'_>);
 delegate_write!(Stream);
 delegate_write!(WriteHalf<'_>);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[tokio::test]
+    async fn a_stale_client_socket_is_replaced_and_a_live_one_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(".s.PGSQL.6432");
+        // A socket file nobody accepts on any more, as a pgfence killed with SIGKILL leaves.
+        drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+        assert!(path.exists());
+        let listener = bind_client_socket(&path).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o777);
+        // While it accepts, a second pgfence must not take the file over.
+        let err = bind_client_socket(&path).unwrap_err();
+        assert!(err.contains("another process accepts"), "{err}");
+        let client = UnixStream::connect(&path).await.unwrap();
+        let (_accepted, _) = listener.accept().await.unwrap();
+        drop(client);
+    }
+
+    #[test]
+    fn clients_show_as_postgres_shows_them() {
+        assert_eq!(ClientAddr::Local.to_string(), "[local]");
+        let tcp = ClientAddr::Tcp("127.0.0.1:5555".parse().unwrap());
+        assert_eq!(tcp.to_string(), "127.0.0.1:5555");
+    }
+}

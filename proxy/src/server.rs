@@ -14,11 +14,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pgfence_config::Config;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, UnixListener};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
+use crate::net::{ClientAddr, Stream};
 use crate::state::Shared;
 
 /// Threads that run client sessions, each with its own single-threaded runtime (and so
@@ -73,17 +74,19 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send,
 ) -> std::io::Result<()> {
     let shared = Arc::new(Shared::new(config));
-    run_with(listener, shared, None, async move {
+    run_with(listener, None, shared, None, async move {
         shutdown.await;
         ShutdownMode::Drain
     })
     .await
 }
 
-/// Like [`run`], with state the caller keeps (reload, admin), worker threads (`None`:
-/// sessions run on the caller's runtime) and a choice of shutdown.
+/// Like [`run`], with clients of a Unix-domain socket too (`unix`, bound by the caller, who
+/// removes its file after), state the caller keeps (reload, admin), worker threads
+/// (`None`: sessions run on the caller's runtime) and a choice of shutdown.
 pub async fn run_with(
     listener: TcpListener,
+    unix: Option<UnixListener>,
     shared: Arc<Shared>,
     workers: Option<Workers>,
     shutdown: impl Future<Output = ShutdownMode> + Send,
@@ -96,7 +99,7 @@ pub async fn run_with(
     let mode = loop {
         tokio::select! {
             mode = &mut shutdown => break mode,
-            accepted = listener.accept() => match accepted {
+            accepted = accept(&listener, unix.as_ref()) => match accepted {
                 Ok((stream, peer)) => {
                     let shared = shared.clone();
                     let stop = crate::session::Stop { drain: drain.clone(), kill: kill.clone() };
@@ -109,7 +112,7 @@ pub async fn run_with(
                             let Ok(stream) = stream.into_std() else { continue };
                             tracker.spawn_on(
                                 async move {
-                                    match tokio::net::TcpStream::from_std(stream) {
+                                    match Stream::from_std(stream) {
                                         Ok(stream) => crate::session::serve(stream, peer, shared, stop).await,
                                         Err(e) => warn!(error = %e, "cannot register client socket"),
                                     }
@@ -128,6 +131,7 @@ pub async fn run_with(
         }
     };
     drop(listener);
+    drop(unix);
     tracker.close();
     let timeout = shared.config().limits.shutdown_timeout;
     info!(
@@ -157,6 +161,23 @@ pub async fn run_with(
     sweeper.abort();
     shared.pool.clear();
     Ok(())
+}
+
+/// The next client of either listener.
+async fn accept(
+    tcp: &TcpListener,
+    unix: Option<&UnixListener>,
+) -> std::io::Result<(Stream, ClientAddr)> {
+    let unix = async {
+        match unix {
+            Some(listener) => listener.accept().await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        accepted = tcp.accept() => accepted.map(|(s, peer)| (Stream::Tcp(s), ClientAddr::Tcp(peer))),
+        accepted = unix => accepted.map(|(s, _)| (Stream::Unix(s), ClientAddr::Local)),
+    }
 }
 
 /// Closes idle server connections past their timeouts, and all of them while the

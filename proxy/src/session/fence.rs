@@ -1,6 +1,5 @@
 //! The fence inside a session: what pgfence injects, the fast path, and rejection reports.
 
-use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::time::SystemTime;
 
@@ -14,6 +13,7 @@ use tracing::{info, warn};
 
 use crate::error::SessionError;
 use crate::metrics::{CheckLabels, RejectionLabels, ResourceLabel};
+use crate::net::ClientAddr;
 use crate::protocol::message as msg;
 use crate::protocol::startup::{options_settings, Startup};
 use crate::state::RejectionRecord;
@@ -93,7 +93,7 @@ impl FenceSettings {
         startup: &Startup,
         database: &str,
         user: &str,
-        peer: SocketAddr,
+        peer: ClientAddr,
     ) -> FenceSettings {
         let mut session_resource = None;
         let mut session_token = None;

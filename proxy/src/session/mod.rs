@@ -17,7 +17,6 @@ pub mod replies;
 mod server;
 pub mod tx;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -25,9 +24,8 @@ use bytes::{Buf, BytesMut};
 use fence_core::classify::Analysis;
 use pgfence_config::Config;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 
-use crate::net::{Stream, UpstreamAddr};
+use crate::net::{ClientAddr, Stream, UpstreamAddr};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, debug_span, warn, Instrument};
 
@@ -195,7 +193,7 @@ pub(crate) struct Stop {
 }
 
 /// Serves one client connection to its end.
-pub(crate) async fn serve(client: TcpStream, peer: SocketAddr, shared: Arc<Shared>, stop: Stop) {
+pub(crate) async fn serve(client: Stream, peer: ClientAddr, shared: Arc<Shared>, stop: Stop) {
     let id = shared.next_client_id();
     // A debug span: an enabled span is entered and left at every poll of the session, which
     // a profile put at 5.7% of the proxy's instructions. The events a session logs at info
@@ -228,14 +226,16 @@ pub(crate) async fn serve(client: TcpStream, peer: SocketAddr, shared: Arc<Share
 }
 
 async fn run_session(
-    mut client: TcpStream,
-    peer: SocketAddr,
+    mut client: Stream,
+    peer: ClientAddr,
     id: u64,
     shared: &Arc<Shared>,
     stop: &Stop,
 ) -> Result<(), SessionError> {
     let config = shared.config();
-    let _ = client.set_nodelay(true);
+    if let Stream::Tcp(tcp) = &client {
+        let _ = tcp.set_nodelay(true);
+    }
     let mut cbuf = BytesMut::with_capacity(READ_CHUNK);
     let startup = tokio::select! {
         r = crate::deadline::timeout(config.limits.startup_timeout, read_startup(&mut client, &mut cbuf)) => match r {
@@ -408,7 +408,7 @@ impl Session {
         shared: Arc<Shared>,
         config: Arc<Config>,
         id: u64,
-        peer: SocketAddr,
+        peer: ClientAddr,
         startup: &Startup,
         upstream: UpstreamAddr,
     ) -> Session {
@@ -459,7 +459,7 @@ impl Session {
     /// The forwarding loop.
     async fn run(
         &mut self,
-        mut client: TcpStream,
+        mut client: Stream,
         server: &mut Stream,
         mut cbuf: BytesMut,
         stop: &Stop,
@@ -579,11 +579,7 @@ impl Session {
 
     /// Ends the session over invalid input from either side: the client gets what it is
     /// already owed, then a FATAL error saying why (08P01 for its own protocol violations).
-    async fn fail(
-        &mut self,
-        cw: &mut tokio::net::tcp::WriteHalf<'_>,
-        e: SessionError,
-    ) -> SessionError {
+    async fn fail(&mut self, cw: &mut crate::net::WriteHalf<'_>, e: SessionError) -> SessionError {
         e.to_client(&mut self.to_client);
         // A client that does not read cannot hold the session task forever.
         let _ = crate::deadline::timeout(FAIL_WRITE_TIMEOUT, cw.write_all(&self.to_client)).await;
@@ -591,7 +587,7 @@ impl Session {
     }
 
     /// Tells an idle client that pgfence is shutting down.
-    async fn say_goodbye(&mut self, cw: &mut tokio::net::tcp::WriteHalf<'_>) -> SessionError {
+    async fn say_goodbye(&mut self, cw: &mut crate::net::WriteHalf<'_>) -> SessionError {
         let e = SessionError::Shutdown;
         let mut out = BytesMut::new();
         e.to_client(&mut out);

@@ -5,7 +5,6 @@
 use bytes::{Buf, BytesMut};
 use pgfence_config::Config;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 
 use crate::error::SessionError;
 use crate::net::Stream;
@@ -14,10 +13,7 @@ use crate::protocol::startup::{next_startup, Startup, StartupPacket};
 use super::READ_CHUNK;
 
 /// Sends a FATAL error to a client whose session cannot start, then closes.
-pub(super) async fn tell_client(
-    client: &mut TcpStream,
-    e: SessionError,
-) -> Result<(), SessionError> {
+pub(super) async fn tell_client(client: &mut Stream, e: SessionError) -> Result<(), SessionError> {
     let mut out = BytesMut::new();
     e.to_client(&mut out);
     let _ = client.write_all(&out).await;
@@ -50,7 +46,7 @@ pub(super) enum Opening {
 /// Reads startup packets until a StartupMessage or a CancelRequest, declining TLS and GSS
 /// encryption (`N`) on the way.
 pub(super) async fn read_startup(
-    client: &mut TcpStream,
+    client: &mut Stream,
     buf: &mut BytesMut,
 ) -> Result<Opening, SessionError> {
     loop {
