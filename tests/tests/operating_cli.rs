@@ -21,6 +21,7 @@ const FLAGS: &[&str] = &[
     "--metrics-addr",
     "--no-fence",
     "--threads",
+    "--unix-socket-dir",
     "--upstream",
     "--version",
 ];
@@ -28,6 +29,7 @@ const FLAGS: &[&str] = &[
 const ENV: &[&str] = &[
     "PGFENCE_CONFIG",
     "PGFENCE_LISTEN",
+    "PGFENCE_UNIX_SOCKET_DIR",
     "PGFENCE_UPSTREAM",
     "PGFENCE_LOG_FORMAT",
     "PGFENCE_METRICS_ADDR",
