@@ -6,7 +6,7 @@ use dashmap::DashMap;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpStream, UnixStream};
 
-use crate::net::UpstreamAddr;
+use crate::net::{Stream, UpstreamAddr};
 
 /// Where a cancel for one client session must go.
 #[derive(Debug, Clone)]
@@ -53,16 +53,10 @@ pub async fn send_cancel(target: CancelTarget) -> std::io::Result<()> {
     packet[4..8].copy_from_slice(&80877102u32.to_be_bytes());
     packet[8..12].copy_from_slice(&target.pid.to_be_bytes());
     packet[12..16].copy_from_slice(&target.key.to_be_bytes());
-    match &target.upstream {
-        UpstreamAddr::Tcp(addr) => {
-            let mut stream = TcpStream::connect(addr).await?;
-            stream.write_all(&packet).await?;
-            stream.shutdown().await
-        }
-        UpstreamAddr::Unix(path) => {
-            let mut stream = UnixStream::connect(path).await?;
-            stream.write_all(&packet).await?;
-            stream.shutdown().await
-        }
-    }
+    let mut stream = match &target.upstream {
+        UpstreamAddr::Tcp(addr) => Stream::Tcp(TcpStream::connect(addr).await?),
+        UpstreamAddr::Unix(path) => Stream::Unix(UnixStream::connect(path).await?),
+    };
+    stream.write_all(&packet).await?;
+    stream.shutdown().await
 }

@@ -24,13 +24,12 @@ use bytes::{Buf, BytesMut};
 use fence_core::classify::Analysis;
 use pgfence_config::Config;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-use crate::net::{ClientAddr, Stream, UpstreamAddr};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, debug_span, warn, Instrument};
 
 use crate::cancel;
 use crate::error::SessionError;
+use crate::net::{ClientAddr, Stream, UpstreamAddr};
 use crate::pool::{LoginReply, Parked, PoolKey, ServerInfo};
 use crate::protocol::next_frame;
 use crate::protocol::startup::Startup;
