@@ -397,10 +397,22 @@ impl Source {
     }
 }
 
+/// PostgreSQL's name for the socket of `port` in `dir`: `<dir>/.s.PGSQL.<port>`.
+pub fn socket_file(dir: &str, port: u16) -> std::path::PathBuf {
+    Path::new(dir).join(format!(".s.PGSQL.{port}"))
+}
+
 impl Upstream {
     /// The host is the directory of a Unix-domain socket (it starts with `/`).
     pub fn is_socket_dir(&self) -> bool {
         self.host.starts_with('/')
+    }
+
+    /// The socket file of a Unix-domain upstream, `None` for a host that is not a
+    /// directory path.
+    pub fn socket_path(&self) -> Option<std::path::PathBuf> {
+        self.is_socket_dir()
+            .then(|| socket_file(&self.host, self.port))
     }
 
     /// Parses `host:port`, `[v6]:port` or a bare host (port 5432); a host starting with `/`
@@ -433,7 +445,7 @@ impl Config {
     pub fn client_socket_path(&self) -> Option<std::path::PathBuf> {
         self.unix_socket_dir
             .as_ref()
-            .map(|dir| Path::new(dir).join(format!(".s.PGSQL.{}", self.listen.port())))
+            .map(|dir| socket_file(dir, self.listen.port()))
     }
 
     /// Settings that only take effect at start: what differs between `self` and `new`.

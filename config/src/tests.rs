@@ -96,8 +96,13 @@ fn upstream_addresses_parse() {
     assert_eq!(socket.host, "/var/run/postgresql");
     assert_eq!(socket.port, 5433);
     assert!(socket.is_socket_dir());
+    assert_eq!(
+        socket.socket_path().unwrap(),
+        std::path::Path::new("/var/run/postgresql/.s.PGSQL.5433")
+    );
     assert_eq!(Upstream::parse("/tmp").unwrap().port, 5432);
     assert!(!Upstream::parse("db:6543").unwrap().is_socket_dir());
+    assert_eq!(Upstream::parse("db:6543").unwrap().socket_path(), None);
 }
 
 #[test]

@@ -8,7 +8,7 @@
 
 use std::io;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -48,14 +48,6 @@ impl std::fmt::Display for UpstreamAddr {
             UpstreamAddr::Unix(path) => path.display().fmt(f),
         }
     }
-}
-
-/// The socket file of a Unix-domain upstream: `<dir>/.s.PGSQL.<port>`, or `None` for a
-/// host that is not a directory path.
-pub fn socket_path(upstream: &Upstream) -> Option<PathBuf> {
-    upstream
-        .is_socket_dir()
-        .then(|| Path::new(&upstream.host).join(format!(".s.PGSQL.{}", upstream.port)))
 }
 
 /// Binds the clients' Unix-domain socket at `path`, open to every local user as
@@ -98,7 +90,7 @@ pub enum StdStream {
 impl Stream {
     /// Connects to `upstream` (TCP with `TCP_NODELAY`, or its Unix-domain socket).
     pub async fn connect(upstream: &Upstream) -> io::Result<Stream> {
-        match socket_path(upstream) {
+        match upstream.socket_path() {
             Some(path) => Ok(Stream::Unix(UnixStream::connect(path).await?)),
             None => {
                 let s = TcpStream::connect((upstream.host.as_str(), upstream.port)).await?;

@@ -25,7 +25,7 @@ pub(super) async fn connect_upstream(config: &Config) -> Result<Stream, String> 
     let connect = Stream::connect(&config.upstream);
     match crate::deadline::timeout(config.limits.connect_timeout, connect).await {
         Ok(Ok(s)) => Ok(s),
-        Ok(Err(e)) => Err(match crate::net::socket_path(&config.upstream) {
+        Ok(Err(e)) => Err(match config.upstream.socket_path() {
             Some(path) => format!("{e} (socket {})", path.display()),
             None => e.to_string(),
         }),
