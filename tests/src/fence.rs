@@ -240,3 +240,22 @@ pub fn assert_psql_rejection(stderr: &str, expected: &Expected, context: &str) {
         "{context}: expected once in psql's stderr:\n{error}\n{detail}\n{hint}\n--- stderr ---\n{stderr}"
     );
 }
+
+/// Runs `pg_sleep(30)` on `client`, cancels it with a CancelRequest carrying the key the
+/// client was given (through whatever `client` is connected to), expects 57014 and hands
+/// the client back.
+pub async fn cancelled_sleep(client: Client) -> Client {
+    let cancel = client.cancel_token();
+    let sleeper = tokio::spawn(async move {
+        let r = client.batch_execute("SELECT pg_sleep(30)").await;
+        (client, r)
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    cancel.cancel_query(NoTls).await.unwrap();
+    let (client, r) = tokio::time::timeout(Duration::from_secs(10), sleeper)
+        .await
+        .expect("the cancelled pg_sleep returns")
+        .unwrap();
+    assert_eq!(sqlstate(&r).as_deref(), Some("57014"), "{r:?}");
+    client
+}

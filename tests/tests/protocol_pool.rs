@@ -23,7 +23,7 @@ use harness::{
     connect_to, try_connect_to, PgCluster, Proxy, APP_DB, SCRAM_PASSWORD, SCRAM_USER, SUPERUSER,
 };
 use pgfence_config::Config;
-use tokio_postgres::{Client, NoTls, SimpleQueryMessage};
+use tokio_postgres::{Client, SimpleQueryMessage};
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -55,25 +55,6 @@ async fn stat(proxy: &Proxy, name: &str) -> u64 {
         }
     }
     panic!("SHOW STATS has no {name}");
-}
-
-/// Runs `pg_sleep(30)` on `client` and cancels it with the key pgfence gave the client:
-/// 57014, and the client is handed back.
-async fn cancelled_sleep(client: Client) -> Client {
-    let cancel = client.cancel_token();
-    let sleeper = tokio::spawn(async move {
-        let r = client.batch_execute("SELECT pg_sleep(30)").await;
-        (client, r)
-    });
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    cancel.cancel_query(NoTls).await.unwrap();
-    let (client, r) = tokio::time::timeout(WAIT, sleeper).await.unwrap().unwrap();
-    assert_eq!(
-        harness::fence::sqlstate(&r).as_deref(),
-        Some("57014"),
-        "{r:?}"
-    );
-    client
 }
 
 /// Waits until SHOW STATS says `servers_idle` is `n`.
@@ -217,7 +198,7 @@ async fn idle_server_is_reset_and_reused() {
     );
 
     // Cancel reaches the reused backend through the key pgfence gave this client.
-    let _second = cancelled_sleep(second).await;
+    let _second = harness::fence::cancelled_sleep(second).await;
     assert_eq!(stat(&proxy, "servers_reused").await, 1);
     let n: i64 = direct
         .query_one("SELECT count(*) FROM pooled", &[])
@@ -506,7 +487,7 @@ async fn unix_socket_upstream() {
 
     // Cancel goes to the backend over the same socket.
     let pid = backend_pid(&first).await;
-    let first = cancelled_sleep(first).await;
+    let first = harness::fence::cancelled_sleep(first).await;
 
     // Kept between clients, and handed out only while the server has not closed it.
     drop(first);

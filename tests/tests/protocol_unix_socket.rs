@@ -11,7 +11,6 @@ use std::process::Command;
 use std::time::Duration;
 
 use harness::{connect_to, pg_bin_dir, PgCluster, Proxy, ProxyProcess, Signal, APP_DB, SUPERUSER};
-use tokio_postgres::NoTls;
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -68,16 +67,7 @@ async fn clients_connect_through_the_socket() {
     );
 
     // A cancel request through the socket reaches the leader's backend.
-    let cancel = leader.cancel_token();
-    let sleeper = tokio::spawn(async move { leader.batch_execute("SELECT pg_sleep(30)").await });
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    cancel.cancel_query(NoTls).await.unwrap();
-    let r = tokio::time::timeout(WAIT, sleeper).await.unwrap().unwrap();
-    assert_eq!(
-        harness::fence::sqlstate(&r).as_deref(),
-        Some("57014"),
-        "{r:?}"
-    );
+    let leader = harness::fence::cancelled_sleep(leader).await;
 
     let out = Command::new(pg_bin_dir().join("psql"))
         .args([
@@ -95,7 +85,7 @@ async fn clients_connect_through_the_socket() {
         .unwrap();
     assert!(out.status.success(), "{out:?}");
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "100");
-    drop(stale);
+    drop((leader, stale));
 
     proxy.signal(Signal::SIGTERM);
     let status = proxy.wait_timeout(WAIT).expect("pgfence exits on SIGTERM");
