@@ -41,15 +41,6 @@ pub enum UpstreamAddr {
     Unix(Arc<Path>),
 }
 
-impl std::fmt::Display for UpstreamAddr {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            UpstreamAddr::Tcp(addr) => addr.fmt(f),
-            UpstreamAddr::Unix(path) => path.display().fmt(f),
-        }
-    }
-}
-
 /// Binds the clients' Unix-domain socket at `path`, open to every local user as
 /// PostgreSQL's default `unix_socket_permissions` is (the server still authenticates). A
 /// socket file left by a pgfence that died is replaced; one that a live process accepts on
