@@ -35,7 +35,7 @@ impl std::fmt::Display for ClientAddr {
 }
 
 /// Where an upstream connection goes (the target of its clients' cancel requests).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum UpstreamAddr {
     Tcp(SocketAddr),
     Unix(Arc<Path>),

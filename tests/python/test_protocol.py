@@ -231,10 +231,19 @@ def test_notifications(dsn):
         sender.execute("SELECT pg_notify(%s, %s)", (channel, "one"))
         with sender.transaction():
             sender.execute(f"NOTIFY {channel}, 'two'")
+        listener.execute(f"NOTIFY {channel}, 'self'")
         received = []
-        for n in listener.notifies(timeout=10, stop_after=2):
-            received.append((n.channel, n.payload))
-        assert received == [(channel, "one"), (channel, "two")], received
+        for n in listener.notifies(timeout=10, stop_after=3):
+            received.append((n.channel, n.payload, n.pid))
+        # The sender is named by the pid its own client was given (libpq's PQbackendPID),
+        # so a listener can tell its own notifications from the others'.
+        sender_pid, own_pid = sender.info.backend_pid, listener.info.backend_pid
+        assert sender_pid != own_pid
+        assert received == [
+            (channel, "one", sender_pid),
+            (channel, "two", sender_pid),
+            (channel, "self", own_pid),
+        ], (received, sender_pid, own_pid)
 
 
 def test_cancel(dsn):

@@ -19,9 +19,8 @@ impl Session {
             return Err(SessionError::UnexpectedServerMessage(tag as char));
         };
         match kind {
-            Backend::NoticeResponse | Backend::NotificationResponse => {
-                self.to_client.extend_from_slice(frame)
-            }
+            Backend::NoticeResponse => self.to_client.extend_from_slice(frame),
+            Backend::NotificationResponse => self.forward_notification(frame),
             Backend::ParameterStatus => {
                 self.on_parameter_status(frame)?;
                 self.to_client.extend_from_slice(frame)
@@ -74,6 +73,27 @@ impl Session {
             }
         }
         Ok(())
+    }
+
+    /// Forwards a notification naming its sender as the sender's client knows it: a
+    /// backend that serves a client of this pgfence by the pid pgfence gave that client
+    /// (its own session's included, so that a client can tell its own notifications by
+    /// comparing with the pid of its BackendKeyData, as libpq's `PQbackendPID` advises);
+    /// any other backend by its own pid.
+    fn forward_notification(&mut self, frame: &[u8]) {
+        let at = self.to_client.len();
+        self.to_client.extend_from_slice(frame);
+        let Some(sender) = frame.get(5..9) else {
+            return;
+        };
+        let sender = i32::from_be_bytes([sender[0], sender[1], sender[2], sender[3]]);
+        let given = match self.client_key {
+            Some((pid, _)) if sender == self.backend_pid => Some(pid),
+            _ => self.shared.cancel.client_pid(&self.upstream, sender),
+        };
+        if let Some(pid) = given {
+            self.to_client[at + 5..at + 9].copy_from_slice(&pid.to_be_bytes());
+        }
     }
 
     #[inline]
