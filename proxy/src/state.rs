@@ -118,6 +118,21 @@ impl Shared {
         ActiveGuard(self.active.clone(), self.metrics.clone())
     }
 
+    /// The server refused a login for lack of connection slots, perhaps held by kept idle
+    /// connections: closes them (logged at WARN) so that the slots come free. Returns how
+    /// many it closed.
+    pub fn free_server_slots(&self) -> usize {
+        let closed = self.pool.clear();
+        if closed > 0 {
+            tracing::warn!(
+                closed,
+                "the server refused a login for lack of connection slots: \
+                 closed the idle server connections pgfence kept"
+            );
+        }
+        closed
+    }
+
     /// Counts an upstream failure.
     pub fn upstream_error(&self) {
         Stats::add(&self.stats.upstream_errors);

@@ -12,7 +12,8 @@
 //! - [`server_gone_while_idle_is_replaced`]: a kept backend terminated on the server is not
 //!   handed out.
 //! - [`server_out_of_slots_frees_kept_connections`]: a login the server refuses for lack of
-//!   connection slots (53300) closes the kept connections, so the client's next try gets in.
+//!   connection slots (53300) closes the kept connections and tries the login again, so the
+//!   client gets in; with nothing kept, the refusal reaches the client at once.
 //! - [`reuse_off_and_idle_timeout`]: `reuse_servers = false` keeps nothing;
 //!   `server_idle_timeout` closes kept connections.
 
@@ -376,20 +377,39 @@ async fn server_out_of_slots_frees_kept_connections() {
         fillers.push(connect_retrying(&connstr).await);
     }
 
-    let refused = try_connect_to(&named("sixth")).await;
-    assert_eq!(
-        harness::fence::sqlstate(&refused).as_deref(),
-        Some("53300"),
-        "{refused:?}"
-    );
-    // The refusal closed the kept connections: a next try gets in once one of their
-    // backends has exited.
-    let sixth = connect_retrying(&named("sixth")).await;
+    // The server refuses the login: pgfence closes the connections it kept, and tries
+    // again until one of their backends has exited. The client never sees the refusal.
+    let sixth = connect_to(&named("sixth")).await;
     assert!(backend_pid(&sixth).await > 0);
     assert_eq!(
         stat(&proxy, "servers_idle").await,
         0,
         "kept connections closed"
+    );
+    // A full server with nothing kept: the refusal reaches the client, at once.
+    let others: i64 = direct
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    for i in 0..8 - others {
+        let connstr = format!("{} application_name=more{i}", cluster.connstr(APP_DB));
+        fillers.push(connect_retrying(&connstr).await);
+    }
+    let asked = Instant::now();
+    let refused = try_connect_to(&named("seventh")).await;
+    assert_eq!(
+        harness::fence::sqlstate(&refused).as_deref(),
+        Some("53300"),
+        "{refused:?}"
+    );
+    assert!(
+        asked.elapsed() < Duration::from_secs(1),
+        "refused only after {:?}: retried with nothing to free",
+        asked.elapsed()
     );
     drop((fillers, sixth, direct));
 }

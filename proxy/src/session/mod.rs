@@ -36,7 +36,7 @@ use crate::protocol::startup::Startup;
 use crate::state::Shared;
 
 use self::fence::FenceSettings;
-use self::opening::{connect_upstream, read_startup, tell_client, Opening};
+use self::opening::{connect_upstream, first_reply, read_startup, tell_client, Opening};
 use self::readable::Readable;
 use self::replies::Replies;
 use self::tx::TxState;
@@ -280,10 +280,23 @@ async fn run_session(
             let login = p.login;
             Stream::from_std(p.stream).ok().map(|s| (s, born, login))
         });
+    let mut sbuf = BytesMut::with_capacity(READ_CHUNK);
     let (mut server, born, reused) = match parked {
         Some((s, born, login)) => (s, born, Some(login)),
         None => match connect_upstream(&config).await {
-            Ok(s) => (s, Instant::now(), None),
+            Ok(s) if admin => (s, Instant::now(), None),
+            Ok(s) => {
+                // The startup packet goes upstream exactly as the client sent it.
+                let login = first_reply(s, &cbuf[..packet_len], &mut sbuf, shared, &config);
+                let s = tokio::select! {
+                    s = login => s,
+                    _ = stop.kill.cancelled() => Err(SessionError::Shutdown),
+                };
+                match s {
+                    Ok(s) => (s, Instant::now(), None),
+                    Err(e) => return tell_client(&mut client, e).await,
+                }
+            }
             Err(reason) => {
                 shared.upstream_error();
                 warn!(upstream = %upstream_name, %reason, client = %peer, "cannot connect to upstream");
@@ -312,13 +325,10 @@ async fn run_session(
     } else if let Some(login) = reused {
         debug!("reusing an idle server connection");
         session.replay_login(login)?;
-    } else {
-        // The startup packet goes upstream exactly as the client sent it.
-        session.to_server.extend_from_slice(&cbuf[..packet_len]);
     }
     cbuf.advance(packet_len);
     crate::state::Stats::add(&shared.stats.clients_total);
-    let result = session.run(client, &mut server, cbuf, stop).await;
+    let result = session.run(client, &mut server, cbuf, sbuf, stop).await;
     session.finish();
     if result.is_ok() {
         session.release(server, born, pool_key).await;
@@ -461,9 +471,9 @@ impl Session {
         mut client: Stream,
         server: &mut Stream,
         mut cbuf: BytesMut,
+        mut sbuf: BytesMut,
         stop: &Stop,
     ) -> Result<(), SessionError> {
-        let mut sbuf = BytesMut::with_capacity(READ_CHUNK);
         let (mut cr, mut cw) = client.split();
         let (mut sr, mut sw) = server.split();
         let task = std::future::poll_fn(|cx| std::task::Poll::Ready(cx.waker().clone())).await;
@@ -477,7 +487,11 @@ impl Session {
         let kill = stop.kill.cancelled();
         tokio::pin!(drain, kill);
         let mut draining = futures_util::poll!(drain.as_mut()).is_ready();
-        // Bytes already read from the client (beyond its startup packet) are processed first.
+        // Bytes already read from the server (its first reply to the login) and from the
+        // client (beyond its startup packet) are processed first.
+        if let Err(e) = self.on_server_bytes(&mut sbuf) {
+            return Err(self.fail(&mut cw, e).await);
+        }
         let mut client_pending = !cbuf.is_empty();
         loop {
             if client_pending && self.hold != Hold::Waiting {
@@ -633,16 +647,9 @@ impl Session {
                         && (fields.code.starts_with(b"28") || fields.code == b"3D000");
                     self.server_fatal = Some(!client_caused);
                     if self.phase == Phase::Auth && fields.code == b"53300" {
-                        // The server is out of connection slots, perhaps held by kept idle
-                        // connections: free them, so that the client's next try gets in.
-                        let closed = self.shared.pool.clear();
-                        if closed > 0 {
-                            warn!(
-                                closed,
-                                "the server refused a login for lack of connection slots: \
-                                 closed the idle server connections pgfence kept"
-                            );
-                        }
+                        // Kept connections may have come back since `first_reply` freed
+                        // slots: free them for the client's next try.
+                        self.shared.free_server_slots();
                     }
                 }
             }

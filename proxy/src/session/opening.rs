@@ -8,9 +8,19 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::error::SessionError;
 use crate::net::Stream;
+use crate::protocol::message::error_fields;
+use crate::protocol::next_frame;
 use crate::protocol::startup::{next_startup, Startup, StartupPacket};
+use crate::state::Shared;
 
-use super::READ_CHUNK;
+use super::{READ_CHUNK, SERVER_MAX_MESSAGE};
+
+/// How long a login refused for lack of connection slots is tried again, after pgfence
+/// closed kept connections to free some (their backends give the slots back as they exit).
+const SLOTS_RETRY_FOR: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Pause between two such tries (at the resolution of [`crate::deadline`]).
+const SLOTS_RETRY_EVERY: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// Sends a FATAL error to a client whose session cannot start, then closes.
 pub(super) async fn tell_client(client: &mut Stream, e: SessionError) -> Result<(), SessionError> {
@@ -33,6 +43,63 @@ pub(super) async fn connect_upstream(config: &Config) -> Result<Stream, String> 
             "timed out after {:?}",
             config.limits.connect_timeout
         )),
+    }
+}
+
+/// Sends a client's startup packet on a fresh server connection and reads the server's
+/// first reply into `sbuf`, for the session to relay. If the server refuses the login for
+/// lack of connection slots (53300) and pgfence closes connections it kept to free some,
+/// the login is tried again on a new connection, about every 100 ms for up to 2 s, so that the
+/// client does not pay for pgfence's idle connections. A refusal pgfence cannot relieve
+/// (no connection kept), or one that lasts, reaches the client as the server sent it.
+pub(super) async fn first_reply(
+    mut server: Stream,
+    startup: &[u8],
+    sbuf: &mut BytesMut,
+    shared: &Shared,
+    config: &Config,
+) -> Result<Stream, SessionError> {
+    let until = std::time::Instant::now() + SLOTS_RETRY_FOR;
+    let mut freed = false;
+    loop {
+        server
+            .write_all(startup)
+            .await
+            .map_err(SessionError::ServerIo)?;
+        let (tag, len) = loop {
+            if let Some(frame) =
+                next_frame(sbuf, SERVER_MAX_MESSAGE).map_err(SessionError::ServerFrame)?
+            {
+                break frame;
+            }
+            if sbuf.capacity() - sbuf.len() < 1024 {
+                sbuf.reserve(READ_CHUNK);
+            }
+            if server
+                .read_buf(sbuf)
+                .await
+                .map_err(SessionError::ServerIo)?
+                == 0
+            {
+                // The session's loop reports the closed connection (after what it said).
+                return Ok(server);
+            }
+        };
+        if tag != b'E' || error_fields(&sbuf[..len]).code != b"53300" {
+            return Ok(server);
+        }
+        freed |= shared.free_server_slots() > 0;
+        if !freed || std::time::Instant::now() + SLOTS_RETRY_EVERY > until {
+            return Ok(server);
+        }
+        crate::deadline::sleep(SLOTS_RETRY_EVERY).await;
+        let _ = server.shutdown().await;
+        server = match connect_upstream(config).await {
+            Ok(s) => s,
+            // The refusal stands: the session relays it.
+            Err(_) => return Ok(server),
+        };
+        sbuf.clear();
     }
 }
 
