@@ -81,6 +81,8 @@ local all all                     trust
 host  all md5user   127.0.0.1/32  md5
 host  all scramuser 127.0.0.1/32  scram-sha-256
 host  all all       127.0.0.1/32  trust
+local replication all             trust
+host  replication all 127.0.0.1/32  trust
 ";
 
 const SETUP_SQL: &str = "\

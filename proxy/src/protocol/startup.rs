@@ -74,6 +74,22 @@ impl Startup {
         packet
     }
 
+    /// Whether this is a replication connection (`replication=true` for physical
+    /// replication, `replication=database` for logical): any value PostgreSQL does not
+    /// read as false (its boolean spellings: prefixes of `false` and `no`, `off`, `0`).
+    pub fn replication(&self) -> bool {
+        let Some(value) = self.param("replication") else {
+            return false;
+        };
+        let value = value.to_ascii_lowercase();
+        let prefix_of = |word: &[u8]| !value.is_empty() && word.starts_with(&value);
+        !(prefix_of(b"false")
+            || prefix_of(b"no")
+            || value == b"of"
+            || value == b"off"
+            || value == b"0")
+    }
+
     /// The user name (required by PostgreSQL).
     pub fn user(&self) -> String {
         self.param_str("user").unwrap_or_default()

@@ -101,6 +101,27 @@ fn startup_message_is_decoded() {
     assert_eq!(s.database(), "billing");
 }
 
+/// `replication` as PostgreSQL reads it: `database`, or a boolean.
+#[test]
+fn replication_connections_are_recognised() {
+    let replication = |value: Option<&str>| {
+        let mut params = vec![("user", "app")];
+        params.extend(value.map(|v| ("replication", v)));
+        let bytes = startup_bytes(196608, &params);
+        let Some((StartupPacket::Startup(s), _)) = next_startup(&bytes).unwrap() else {
+            panic!("not a startup message")
+        };
+        s.replication()
+    };
+    assert!(!replication(None));
+    for yes in ["database", "true", "on", "yes", "1", "TRUE", "t", "y"] {
+        assert!(replication(Some(yes)), "{yes}");
+    }
+    for no in ["false", "off", "of", "no", "0", "FALSE", "f", "n", "fal"] {
+        assert!(!replication(Some(no)), "{no}");
+    }
+}
+
 #[test]
 fn special_requests_are_recognised() {
     let ssl = [0, 0, 0, 8, 0x04, 0xd2, 0x16, 0x2f];

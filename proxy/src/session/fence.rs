@@ -124,7 +124,9 @@ impl FenceSettings {
             }
         }
         FenceSettings {
-            enabled: config.fence.enabled,
+            // A replication connection takes replication commands, which pgfence's own
+            // statements would break: it is passed through (README, known limitations).
+            enabled: config.fence.enabled && !startup.replication(),
             fast_path: config.fence.fast_path,
             default_resource,
             allow_missing: config.fence.allow_missing(),

@@ -25,7 +25,7 @@ use fence_core::classify::Analysis;
 use pgfence_config::Config;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, debug_span, warn, Instrument};
+use tracing::{debug, debug_span, info, warn, Instrument};
 
 use crate::cancel;
 use crate::error::SessionError;
@@ -268,7 +268,16 @@ async fn run_session(
         return tell_client(&mut client, SessionError::NotAdmin(startup.user())).await;
     }
     let upstream_name = config.upstream.to_string();
-    let pool_key = (!admin && config.pool.reuse_servers).then(|| PoolKey {
+    let replication = startup.replication();
+    if replication && !admin {
+        info!(
+            client = %peer,
+            user = %startup.user(),
+            database = %startup.database(),
+            "replication connection: passed through without the fence, and not kept"
+        );
+    }
+    let pool_key = (!admin && config.pool.reuse_servers && !replication).then(|| PoolKey {
         upstream: upstream_name.clone(),
         startup: cbuf[..packet_len].into(),
     });
