@@ -656,8 +656,8 @@ impl Session {
                         && (fields.code.starts_with(b"28") || fields.code == b"3D000");
                     self.server_fatal = Some(!client_caused);
                     if self.phase == Phase::Auth && fields.code == b"53300" {
-                        // Kept connections may have come back since `first_reply` freed
-                        // slots: free them for the client's next try.
+                        // The admin console's login (`first_reply` retries the others), or
+                        // one it gave up on: free what is kept now, for the next try.
                         self.shared.free_server_slots();
                     }
                 }
