@@ -12,6 +12,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use harness::fence::{assert_rejected, stale};
 use harness::{connect_to, pg_bin_dir, run_command, PgCluster, Proxy, APP_DB, SUPERUSER};
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -161,15 +162,11 @@ async fn replication_connections_pass_through() {
         .batch_execute("INSERT INTO charges VALUES (100)")
         .await
         .unwrap();
-    let stale = connect_to(&session(33)).await;
-    let refused = stale
+    let deposed = connect_to(&session(33)).await;
+    let refused = deposed
         .batch_execute("INSERT INTO charges VALUES (200)")
         .await;
-    assert_eq!(
-        harness::fence::sqlstate(&refused).as_deref(),
-        Some("FN001"),
-        "{refused:?}"
-    );
+    assert_rejected(&refused, &stale("billing", 33, 34), "token 33 after 34");
     direct
         .batch_execute("SELECT pg_drop_replication_slot('pgfence_test')")
         .await
