@@ -9,6 +9,27 @@ use tokio_postgres::{Client, NoTls};
 use crate::cluster::SUPERUSER;
 use crate::process;
 
+/// Waits until `count_sql` (one `count(*)`, or any one bigint) returns 0 on `client`,
+/// polling every 20 ms; panics after `within`, naming `what` is left.
+pub async fn wait_for_none(client: &Client, count_sql: &str, within: Duration, what: &str) {
+    let start = std::time::Instant::now();
+    loop {
+        let left: i64 = client
+            .query_one(count_sql, &[])
+            .await
+            .unwrap_or_else(|e| panic!("{count_sql}: {e}"))
+            .get(0);
+        if left == 0 {
+            return;
+        }
+        assert!(
+            start.elapsed() < within,
+            "{left} {what} left after {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Deadline of one psql run.
 const PSQL_TIMEOUT: Duration = Duration::from_secs(120);
 

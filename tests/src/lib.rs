@@ -31,7 +31,7 @@ pub mod proxy_process;
 pub mod python;
 pub mod wire;
 
-pub use client::{connect_to, quote_conn_value, try_connect_to};
+pub use client::{connect_to, quote_conn_value, try_connect_to, wait_for_none};
 pub use cluster::{
     pg_bin_dir, PgCluster, PgClusterBuilder, APP_DB, MD5_PASSWORD, MD5_USER, SCRAM_PASSWORD,
     SCRAM_USER, SUPERUSER,

@@ -21,7 +21,8 @@ use std::time::{Duration, Instant};
 
 use harness::wire::{self, RawConn};
 use harness::{
-    connect_to, try_connect_to, PgCluster, Proxy, APP_DB, SCRAM_PASSWORD, SCRAM_USER, SUPERUSER,
+    connect_to, try_connect_to, wait_for_none, PgCluster, Proxy, APP_DB, SCRAM_PASSWORD,
+    SCRAM_USER, SUPERUSER,
 };
 use pgfence_config::Config;
 use tokio_postgres::{Client, SimpleQueryMessage};
@@ -76,25 +77,8 @@ async fn wait_idle_servers(proxy: &Proxy, n: u64) {
 
 /// Waits until backend `pid` is gone from the server.
 async fn wait_backend_gone(direct: &Client, pid: i32) {
-    let start = Instant::now();
-    loop {
-        let n: i64 = direct
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE pid = $1",
-                &[&pid],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        if n == 0 {
-            return;
-        }
-        assert!(
-            start.elapsed() < WAIT,
-            "backend {pid} still there after {WAIT:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let sql = format!("SELECT count(*) FROM pg_stat_activity WHERE pid = {pid}");
+    wait_for_none(direct, &sql, WAIT, &format!("backend {pid}")).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -345,23 +329,14 @@ async fn server_out_of_slots_frees_kept_connections() {
     let proxy = proxy_with(&cluster, |_| {});
     let direct = connect_retrying(&cluster.connstr(APP_DB)).await;
     // The setup's own connections gone, as far as pg_stat_activity tells.
-    let start = Instant::now();
-    loop {
-        let others: i64 = direct
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity \
-                 WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        if others == 0 {
-            break;
-        }
-        assert!(start.elapsed() < WAIT, "{others} other backends left");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_for_none(
+        &direct,
+        "SELECT count(*) FROM pg_stat_activity \
+         WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()",
+        WAIT,
+        "other backends",
+    )
+    .await;
     let named = |name: &str| format!("{} application_name={name}", proxy.connstr(APP_DB));
     // Four sessions that cannot share a kept connection (different startup packets) end:
     // four slots are held by idle connections pgfence keeps.

@@ -13,7 +13,9 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use harness::fence::{assert_rejected, stale};
-use harness::{connect_to, pg_bin_dir, run_command, PgCluster, Proxy, APP_DB, SUPERUSER};
+use harness::{
+    connect_to, pg_bin_dir, run_command, wait_for_none, PgCluster, Proxy, APP_DB, SUPERUSER,
+};
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -130,25 +132,13 @@ async fn replication_connections_pass_through() {
 
     // Nothing kept: the walsenders end with their clients.
     let direct = cluster.connect(APP_DB).await;
-    let start = Instant::now();
-    loop {
-        let walsenders: i64 = direct
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'walsender'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        if walsenders == 0 {
-            break;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "{walsenders} walsender(s) left: kept by pgfence?"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_for_none(
+        &direct,
+        "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'walsender'",
+        Duration::from_secs(10),
+        "walsender(s), kept by pgfence?",
+    )
+    .await;
 
     // Other sessions are still fenced.
     let session = |token: u32| {
