@@ -25,6 +25,8 @@ pub struct Config {
     pub unix_socket_dir: Option<String>,
     /// The PostgreSQL server every session is forwarded to.
     pub upstream: Upstream,
+    /// TLS between clients and pgfence (PgBouncer's `client_tls_*`).
+    pub client_tls: ClientTls,
     /// Connection limits and timeouts.
     pub limits: Limits,
     /// Reuse of server connections between client sessions.
@@ -43,6 +45,7 @@ impl Default for Config {
             listen: SocketAddr::from(([127, 0, 0, 1], 6432)),
             unix_socket_dir: None,
             upstream: Upstream::default(),
+            client_tls: ClientTls::default(),
             limits: Limits::default(),
             pool: Pool::default(),
             fence: Fence::default(),
@@ -81,6 +84,61 @@ impl std::fmt::Display for Upstream {
             write!(f, "{}:{}", self.host, self.port)
         }
     }
+}
+
+/// Whether clients may or must use TLS (PgBouncer's `client_tls_sslmode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum ClientSslMode {
+    /// Decline TLS: an SSLRequest is answered `N`, as by a server without SSL.
+    #[default]
+    Disable,
+    /// TLS for clients that ask for it (`sslmode=prefer` or `require` in libpq), plain
+    /// connections for the others. `prefer` means the same, as in PgBouncer.
+    #[serde(alias = "prefer")]
+    Allow,
+    /// TLS for every TCP client: a plain login is refused with SQLSTATE 28000. Clients of
+    /// the Unix-domain socket are local and never use TLS, as with PostgreSQL.
+    Require,
+}
+
+impl std::fmt::Display for ClientSslMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ClientSslMode::Disable => "disable",
+            ClientSslMode::Allow => "allow",
+            ClientSslMode::Require => "require",
+        })
+    }
+}
+
+impl std::str::FromStr for ClientSslMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "disable" => Ok(ClientSslMode::Disable),
+            "allow" | "prefer" => Ok(ClientSslMode::Allow),
+            "require" => Ok(ClientSslMode::Require),
+            other => Err(format!(
+                "unknown client TLS mode {other:?}: use disable, allow, prefer or require"
+            )),
+        }
+    }
+}
+
+/// TLS that pgfence terminates for its clients. pgfence presents its own certificate; the
+/// connection to the upstream server is a separate one (see [`Upstream`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClientTls {
+    /// `disable`, `allow` (or `prefer`) or `require`. Default `disable`.
+    pub sslmode: ClientSslMode,
+    /// PEM file with pgfence's certificate, then the intermediate certificates of its
+    /// chain, if any. Required unless `sslmode` is `disable`. Read at start and at reload.
+    pub cert_file: Option<std::path::PathBuf>,
+    /// PEM file with the certificate's private key (PKCS#8, PKCS#1 or SEC1).
+    pub key_file: Option<std::path::PathBuf>,
 }
 
 /// Limits that protect the proxy from misbehaving clients.
@@ -346,6 +404,9 @@ pub struct Overrides {
     pub log_format: Option<LogFormat>,
     pub metrics_addr: Option<SocketAddr>,
     pub max_message_size: Option<u32>,
+    pub client_tls_sslmode: Option<ClientSslMode>,
+    pub client_tls_cert_file: Option<std::path::PathBuf>,
+    pub client_tls_key_file: Option<std::path::PathBuf>,
     pub no_fence: bool,
 }
 
@@ -369,6 +430,15 @@ impl Overrides {
         }
         if let Some(max) = self.max_message_size {
             config.limits.max_message_size = max;
+        }
+        if let Some(mode) = self.client_tls_sslmode {
+            config.client_tls.sslmode = mode;
+        }
+        if let Some(path) = &self.client_tls_cert_file {
+            config.client_tls.cert_file = Some(path.clone());
+        }
+        if let Some(path) = &self.client_tls_key_file {
+            config.client_tls.key_file = Some(path.clone());
         }
         if self.no_fence {
             config.fence.enabled = false;
@@ -502,6 +572,15 @@ impl Config {
             if !dir.starts_with('/') {
                 return invalid(format!(
                     "unix_socket_dir {dir:?} must be an absolute directory path"
+                ));
+            }
+        }
+        if self.client_tls.sslmode != ClientSslMode::Disable {
+            let mode = self.client_tls.sslmode;
+            if self.client_tls.cert_file.is_none() || self.client_tls.key_file.is_none() {
+                return invalid(format!(
+                    "client_tls.sslmode = {mode} needs client_tls.cert_file and \
+                     client_tls.key_file (PEM files with pgfence's certificate and its key)"
                 ));
             }
         }

@@ -141,3 +141,20 @@ fn docker_compose_config_parses() {
     assert_eq!(config.upstream.host, "postgres");
     assert!(config.fence.install.is_some());
 }
+
+#[test]
+fn client_tls_modes_and_their_files() {
+    let config: Config = toml::from_str(
+        "[client_tls]\nsslmode = \"prefer\"\ncert_file = \"/etc/pgfence/c.pem\"\nkey_file = \"/etc/pgfence/k.pem\"\n",
+    )
+    .unwrap();
+    assert_eq!(config.client_tls.sslmode, ClientSslMode::Allow);
+    config.validate().unwrap();
+    let config: Config = toml::from_str("[client_tls]\nsslmode = \"require\"\n").unwrap();
+    let err = config.validate().unwrap_err().to_string();
+    assert!(err.contains("needs client_tls.cert_file"), "{err}");
+    let err = toml::from_str::<Config>("[client_tls]\nsslmode = \"verify-full\"\n").unwrap_err();
+    assert!(err.to_string().contains("verify-full"), "{err}");
+    assert_eq!("prefer".parse::<ClientSslMode>(), Ok(ClientSslMode::Allow));
+    assert_eq!(ClientSslMode::Require.to_string(), "require");
+}

@@ -171,6 +171,7 @@ pub fn answer(shared: &Shared, sql: &[u8], out: &mut BytesMut) -> Answer {
                         c.application_name,
                         c.backend_pid.to_string(),
                         time(c.connected_at),
+                        c.tls.unwrap_or_default(),
                     ]
                 })
                 .collect();
@@ -184,6 +185,7 @@ pub fn answer(shared: &Shared, sql: &[u8], out: &mut BytesMut) -> Answer {
                     "application_name",
                     "backend_pid",
                     "connected_at",
+                    "tls",
                 ],
                 &rows,
                 "SHOW",

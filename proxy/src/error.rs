@@ -49,6 +49,12 @@ pub enum SessionError {
     NotAdmin(String),
     #[error("the client sent data before pgfence answered its encryption request")]
     EncryptionAfterStartup,
+    #[error("the client asked for encryption on a connection that is already encrypted")]
+    EncryptionTwice,
+    #[error("TLS handshake with the client failed: {0}")]
+    TlsHandshake(#[source] io::Error),
+    #[error("pgfence requires TLS from its clients (client_tls.sslmode = require)")]
+    TlsRequired,
 }
 
 impl SessionError {
@@ -61,7 +67,10 @@ impl SessionError {
             | SessionError::UnexpectedClientMessage(_)
             | SessionError::MalformedClientMessage(_)
             | SessionError::StartupTimeout(_)
-            | SessionError::EncryptionAfterStartup => Side::Client,
+            | SessionError::EncryptionAfterStartup
+            | SessionError::EncryptionTwice
+            | SessionError::TlsHandshake(_)
+            | SessionError::TlsRequired => Side::Client,
             SessionError::ServerIo(_)
             | SessionError::ServerFrame(_)
             | SessionError::UnexpectedServerMessage(_)
@@ -78,7 +87,7 @@ impl SessionError {
         match self {
             SessionError::TooManyClients(_) => "53300",
             SessionError::UnsupportedEncoding(_) => "0A000",
-            SessionError::NotAdmin(_) => "28000",
+            SessionError::NotAdmin(_) | SessionError::TlsRequired => "28000",
             SessionError::Shutdown => "57P01",
             // feature_not_supported, as PostgreSQL answers an unsupported version.
             SessionError::Startup(StartupError::Version { .. }) => "0A000",
@@ -88,8 +97,10 @@ impl SessionError {
             | SessionError::UnexpectedClientMessage(_)
             | SessionError::MalformedClientMessage(_)
             | SessionError::EncryptionAfterStartup
+            | SessionError::EncryptionTwice
             | SessionError::StartupTimeout(_) => "08P01",
             SessionError::ClientIo(_)
+            | SessionError::TlsHandshake(_)
             | SessionError::ServerFrame(_)
             | SessionError::UnexpectedServerMessage(_) => "XX000",
         }
@@ -100,6 +111,9 @@ impl SessionError {
             SessionError::UpstreamConnect { .. } => Some(
                 "Check that PostgreSQL is running and reachable at pgfence's --upstream address.",
             ),
+            SessionError::TlsRequired => {
+                Some("Connect with sslmode=require (or verify-ca, verify-full) in the connection string.")
+            }
             SessionError::ClientFrame(FrameError::TooLarge { .. }) => Some(
                 "Raise limits.max_message_size in pgfence's configuration if this is intended.",
             ),
@@ -109,7 +123,10 @@ impl SessionError {
 
     /// Whether the client connection can still take an error message.
     pub fn client_can_hear(&self) -> bool {
-        !matches!(self, SessionError::ClientIo(_))
+        !matches!(
+            self,
+            SessionError::ClientIo(_) | SessionError::TlsHandshake(_)
+        )
     }
 
     /// Appends the FATAL ErrorResponse that tells the client why its session ends.

@@ -17,5 +17,6 @@ mod server;
 mod session;
 pub mod sharded;
 pub mod state;
+pub mod tls;
 
 pub use server::{run, run_with, ShutdownMode, Workers};

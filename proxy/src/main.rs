@@ -9,7 +9,7 @@ use std::sync::Arc;
 use clap::{Parser, Subcommand};
 use pgfence::state::Shared;
 use pgfence::ShutdownMode;
-use pgfence_config::{Config, LogFormat, Overrides, Source, Upstream};
+use pgfence_config::{ClientSslMode, Config, LogFormat, Overrides, Source, Upstream};
 use tokio::signal::unix::{signal, Signal, SignalKind};
 use tracing::{error, info};
 
@@ -55,6 +55,32 @@ struct Cli {
     /// number of CPUs pgfence may use; 1 behaves like PgBouncer's single thread].
     #[arg(long, env = "PGFENCE_THREADS", global = true)]
     threads: Option<usize>,
+    /// TLS for clients: disable, allow (or prefer: TLS when the client asks) or require
+    /// (plain TCP logins refused) [default: disable]. Needs --client-tls-cert-file and
+    /// --client-tls-key-file.
+    #[arg(
+        long,
+        value_name = "MODE",
+        env = "PGFENCE_CLIENT_TLS_SSLMODE",
+        global = true
+    )]
+    client_tls_sslmode: Option<ClientSslMode>,
+    /// PEM file with the certificate pgfence presents to TLS clients (then its chain).
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "PGFENCE_CLIENT_TLS_CERT_FILE",
+        global = true
+    )]
+    client_tls_cert_file: Option<PathBuf>,
+    /// PEM file with that certificate's private key.
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "PGFENCE_CLIENT_TLS_KEY_FILE",
+        global = true
+    )]
+    client_tls_key_file: Option<PathBuf>,
     /// Run as a plain proxy without the fence (for comparisons).
     #[arg(long, env = "PGFENCE_NO_FENCE", global = true)]
     no_fence: bool,
@@ -100,6 +126,9 @@ fn source(cli: &Cli) -> Result<Source, String> {
             log_format: cli.log_format,
             metrics_addr: cli.metrics_addr,
             max_message_size: cli.max_message_size,
+            client_tls_sslmode: cli.client_tls_sslmode,
+            client_tls_cert_file: cli.client_tls_cert_file.clone(),
+            client_tls_key_file: cli.client_tls_key_file.clone(),
             no_fence: cli.no_fence,
         },
     })
@@ -133,6 +162,11 @@ fn main() -> ExitCode {
                 return ExitCode::from(2);
             }
         };
+    // Certificate and key files are configuration too: refused before anything starts.
+    if let Err(e) = pgfence::tls::acceptor(&config.client_tls) {
+        eprintln!("pgfence: {e}");
+        return ExitCode::from(2);
+    }
     init_logging(config.telemetry.log_format);
     // The main runtime accepts connections, serves metrics and handles signals; sessions
     // run on `--threads` worker threads of their own.
@@ -209,12 +243,13 @@ async fn serve(config: Config, source: Source, threads: usize) -> Result<(), Str
         listen = %config.listen,
         unix_socket = ?socket_path,
         upstream = %config.upstream,
+        client_tls = %config.client_tls.sslmode,
         fence = config.fence.enabled,
         metrics = ?config.telemetry.metrics_addr,
         threads,
         "pgfence started"
     );
-    let shared = Arc::new(Shared::new(Arc::new(config)));
+    let shared = Arc::new(Shared::new(Arc::new(config))?);
     shared.set_source(source);
     if let Some(listener) = metrics_listener {
         tokio::spawn(pgfence::metrics::serve(listener, shared.metrics.clone()));

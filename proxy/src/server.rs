@@ -73,7 +73,10 @@ pub async fn run(
     config: Arc<Config>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> std::io::Result<()> {
-    let shared = Arc::new(Shared::new(config));
+    let shared = Arc::new(
+        Shared::new(config)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?,
+    );
     run_with(listener, None, shared, None, async move {
         shutdown.await;
         ShutdownMode::Drain

@@ -19,6 +19,9 @@ pub const REJECTIONS_KEPT: usize = 100;
 #[derive(Debug)]
 pub struct Shared {
     config: RwLock<Arc<Config>>,
+    /// rustls' configuration for clients' TLS, built from `config.client_tls` (`None`:
+    /// TLS is declined).
+    client_tls: RwLock<Option<Arc<rustls::ServerConfig>>>,
     pub cancel: CancelRegistry,
     pub fences: KnownFences,
     pub rejections: Mutex<VecDeque<RejectionRecord>>,
@@ -45,10 +48,13 @@ impl Drop for ActiveGuard {
 }
 
 impl Shared {
-    pub fn new(config: Arc<Config>) -> Shared {
+    /// State for `config`; fails when its TLS certificate or key cannot be used.
+    pub fn new(config: Arc<Config>) -> Result<Shared, String> {
+        let client_tls = crate::tls::acceptor(&config.client_tls)?;
         let metrics = Arc::new(crate::metrics::Metrics::default());
-        Shared {
+        Ok(Shared {
             config: RwLock::new(config),
+            client_tls: RwLock::new(client_tls),
             cancel: CancelRegistry::default(),
             fences: KnownFences::default(),
             rejections: Mutex::new(VecDeque::with_capacity(REJECTIONS_KEPT)),
@@ -62,7 +68,7 @@ impl Shared {
             next_client_id: AtomicU64::new(1),
             active: Arc::new(AtomicUsize::new(0)),
             source: Mutex::new(None),
-        }
+        })
     }
 
     /// Remembers where the configuration comes from, so that it can be reloaded.
@@ -106,7 +112,12 @@ impl Shared {
         new.telemetry.metrics_addr = old.telemetry.metrics_addr;
         new.telemetry.log_format = old.telemetry.log_format;
         new.fence.install = old.fence.install.clone();
-        self.set_config(Arc::new(new));
+        if let Err(e) = self.set_config(Arc::new(new)) {
+            warn!(error = %e, "reload failed: the previous configuration stays in force");
+            return Err(format!(
+                "reload failed, the previous configuration stays in force: {e}"
+            ));
+        }
         info!(path = ?source.path, "configuration reloaded: new sessions use it");
         Ok(())
     }
@@ -155,9 +166,21 @@ impl Shared {
         self.config.read().expect("config lock poisoned").clone()
     }
 
-    /// Puts a new configuration in force for new sessions.
-    pub fn set_config(&self, config: Arc<Config>) {
+    /// Puts a new configuration in force for new sessions, with the TLS certificate and
+    /// key its files hold now. A certificate or key that cannot be used changes nothing.
+    pub fn set_config(&self, config: Arc<Config>) -> Result<(), String> {
+        let client_tls = crate::tls::acceptor(&config.client_tls)?;
+        *self.client_tls.write().expect("TLS config lock poisoned") = client_tls;
         *self.config.write().expect("config lock poisoned") = config;
+        Ok(())
+    }
+
+    /// The TLS configuration new clients get, `None` when TLS is declined.
+    pub fn client_tls(&self) -> Option<Arc<rustls::ServerConfig>> {
+        self.client_tls
+            .read()
+            .expect("TLS config lock poisoned")
+            .clone()
     }
 
     /// A process-unique id for a client session.
@@ -235,6 +258,8 @@ pub struct RejectionRecord {
 #[derive(Debug, Clone)]
 pub struct ClientInfo {
     pub addr: String,
+    /// TLS protocol and cipher suite (`TLSv1_3/TLS13_AES_256_GCM_SHA384`), if any.
+    pub tls: Option<String>,
     pub user: String,
     pub database: String,
     pub application_name: String,

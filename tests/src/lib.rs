@@ -5,6 +5,7 @@
 //! - [`Proxy`]: pgfence running in-process on its own tokio runtime, for sync and async tests.
 //! - [`ProxyProcess`]: the real `pgfence` binary as a child process, for signals and logs.
 //! - [`run_python`]: the psycopg scripts in `tests/python/`.
+//! - [`tls`]: a CA and a server certificate made per test, and a blocking TLS client.
 //! - [`wire`]: raw protocol frames and a blocking connection with deadlines, for byte-exact
 //!   tests.
 //! - [`checker`]: the fencing invariant of SPEC section 4, checked over what a server committed.
@@ -29,6 +30,7 @@ mod process;
 pub mod proxy;
 pub mod proxy_process;
 pub mod python;
+pub mod tls;
 pub mod wire;
 
 pub use client::{connect_to, quote_conn_value, try_connect_to, wait_for_none};

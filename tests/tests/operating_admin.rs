@@ -397,7 +397,8 @@ async fn simple_query_columns_and_content() {
             "database",
             "application_name",
             "backend_pid",
-            "connected_at"
+            "connected_at",
+            "tls"
         ]
     );
     let records = clients.records();
@@ -408,6 +409,7 @@ async fn simple_query_columns_and_content() {
     assert_eq!(mine.len(), 1, "{:?}", clients.rows);
     assert_eq!(mine[0]["addr"], addr);
     assert_eq!(mine[0]["user"], SUPERUSER);
+    assert_eq!(mine[0]["tls"], "", "a plain connection");
     assert_eq!(mine[0]["database"], APP_DB);
     assert_eq!(mine[0]["backend_pid"], pid);
     assert!(mine[0]["id"].parse::<u64>().is_ok(), "{:?}", mine[0]);

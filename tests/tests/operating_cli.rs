@@ -13,6 +13,9 @@ use harness::{free_port, ProxyProcess};
 /// Every flag of `pgfence` (serve): a new one must be added here, which is the reminder to
 /// document it (README, example file).
 const FLAGS: &[&str] = &[
+    "--client-tls-cert-file",
+    "--client-tls-key-file",
+    "--client-tls-sslmode",
     "--config",
     "--help",
     "--listen",
@@ -35,6 +38,9 @@ const ENV: &[&str] = &[
     "PGFENCE_METRICS_ADDR",
     "PGFENCE_MAX_MESSAGE_SIZE",
     "PGFENCE_NO_FENCE",
+    "PGFENCE_CLIENT_TLS_SSLMODE",
+    "PGFENCE_CLIENT_TLS_CERT_FILE",
+    "PGFENCE_CLIENT_TLS_KEY_FILE",
 ];
 /// The flags of `pgfence install` besides the global ones.
 const INSTALL_FLAGS: &[&str] = &["--database", "--user", "--password", "--grant-to"];
@@ -153,6 +159,58 @@ fn unusable_config_files_stop_the_binary() {
     assert!(stderr.contains("connect_timeout"), "{stderr}");
     let stderr = refused(dir.path(), None);
     assert!(stderr.contains("cannot read config file"), "{stderr}");
+}
+
+#[test]
+fn unusable_tls_settings_stop_the_binary() {
+    let listen = format!("127.0.0.1:{}", free_port());
+    let refused = |args: &[&str]| {
+        let mut all = vec!["--listen", &listen];
+        all.extend_from_slice(args);
+        let out = pgfence(&all);
+        assert_eq!(out.code, Some(2), "{args:?}: {out:?}");
+        out.stderr.clone()
+    };
+    let stderr = refused(&["--client-tls-sslmode", "sometimes"]);
+    assert!(stderr.contains("sometimes"), "{stderr}");
+    let stderr = refused(&["--client-tls-sslmode", "require"]);
+    assert!(
+        stderr.contains(
+            "client_tls.sslmode = require needs client_tls.cert_file and client_tls.key_file"
+        ),
+        "{stderr}"
+    );
+
+    let certs = harness::tls::TestCerts::new("pgfence test CA");
+    let other = harness::tls::TestCerts::new("another CA");
+    let (cert, key) = (
+        certs.cert_file.display().to_string(),
+        certs.key_file.display().to_string(),
+    );
+    let missing = certs.dir().join("missing.crt").display().to_string();
+    let tls = |cert: &str, key: &str| {
+        refused(&[
+            "--client-tls-sslmode",
+            "allow",
+            "--client-tls-cert-file",
+            cert,
+            "--client-tls-key-file",
+            key,
+        ])
+    };
+    let stderr = tls(&missing, &key);
+    assert!(
+        stderr.contains(&format!("client_tls.cert_file {missing}: cannot read")),
+        "{stderr}"
+    );
+    // A key where the certificate belongs.
+    let stderr = tls(&key, &key);
+    assert!(stderr.contains("no certificate in the file"), "{stderr}");
+    let stderr = tls(&cert, &other.key_file.display().to_string());
+    assert!(
+        stderr.contains("does not go with the certificate in") && stderr.contains(&cert),
+        "{stderr}"
+    );
 }
 
 #[test]

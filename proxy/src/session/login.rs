@@ -66,6 +66,7 @@ impl Session {
                     self.id,
                     ClientInfo {
                         addr: self.client_addr.clone(),
+                        tls: self.tls.clone(),
                         user: self.user.clone(),
                         database: self.database.clone(),
                         application_name: self.application_name.clone(),

@@ -236,16 +236,43 @@ async fn run_session(
         let _ = tcp.set_nodelay(true);
     }
     let mut cbuf = BytesMut::with_capacity(READ_CHUNK);
-    let startup = tokio::select! {
-        r = crate::deadline::timeout(config.limits.startup_timeout, read_startup(&mut client, &mut cbuf)) => match r {
-            Ok(r) => r,
-            Err(_) => Err(SessionError::StartupTimeout(config.limits.startup_timeout)),
-        },
-        _ = stop.drain.cancelled() => Err(SessionError::Shutdown),
+    let startup_until = Instant::now() + config.limits.startup_timeout;
+    let tls_config = match &client {
+        Stream::Tcp(_) => shared.client_tls(),
+        _ => None,
+    };
+    let mut tls = None;
+    let startup = loop {
+        // The TLS handshake and the startup packet share the startup timeout.
+        let left = startup_until.saturating_duration_since(Instant::now());
+        let opening = tokio::select! {
+            r = crate::deadline::timeout(left, read_startup(&mut client, &mut cbuf, tls.is_none() && tls_config.is_some())) => match r {
+                Ok(r) => r,
+                Err(_) => Err(SessionError::StartupTimeout(config.limits.startup_timeout)),
+            },
+            _ = stop.drain.cancelled() => Err(SessionError::Shutdown),
+        };
+        let (Ok(Opening::Tls), Some(tls_config)) = (&opening, &tls_config) else {
+            break opening;
+        };
+        let left = startup_until.saturating_duration_since(Instant::now());
+        let handshake = tokio::select! {
+            r = crate::deadline::timeout(left, client.accept_tls(tls_config.clone())) => r,
+            _ = stop.drain.cancelled() => return Err(SessionError::Shutdown),
+        };
+        // A client that fails its handshake cannot read a plaintext error: it is closed.
+        client = match handshake {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => return Err(SessionError::TlsHandshake(e)),
+            Err(_) => return Err(SessionError::StartupTimeout(config.limits.startup_timeout)),
+        };
+        tls = client.tls();
+        debug!(tls = tls.as_deref(), "TLS established");
     };
     let (startup, packet_len) = match startup {
         Ok(Opening::Startup(s, n)) => (s, n),
-        Ok(Opening::Closed) => return Ok(()),
+        // `Tls` only comes when offered, and the loop above answered it.
+        Ok(Opening::Closed | Opening::Tls) => return Ok(()),
         Ok(Opening::Cancel { pid, key }) => {
             match shared.cancel.lookup(pid, key) {
                 Some(target) => {
@@ -260,6 +287,12 @@ async fn run_session(
         }
         Err(e) => return tell_client(&mut client, e).await,
     };
+    if tls.is_none()
+        && config.client_tls.sslmode == pgfence_config::ClientSslMode::Require
+        && matches!(peer, ClientAddr::Tcp(_))
+    {
+        return tell_client(&mut client, SessionError::TlsRequired).await;
+    }
     if let Some(limit) = shared.too_many_clients(&config) {
         return tell_client(&mut client, SessionError::TooManyClients(limit)).await;
     }
@@ -326,6 +359,7 @@ async fn run_session(
         shared.metrics.upstream_connections.dec();
     });
     let mut session = Session::new(shared.clone(), config, id, peer, &startup, upstream_addr);
+    session.tls = tls;
     if admin {
         // The console logs in to the upstream server, which checks the password.
         session.admin = true;
@@ -354,6 +388,12 @@ async fn run_session(
     }
 }
 
+/// Writes `buf` whole and flushes it (a TLS connection may hold the last records back).
+async fn write_out(w: &mut crate::net::WriteHalf<'_>, buf: &[u8]) -> std::io::Result<()> {
+    w.write_all(buf).await?;
+    w.flush().await
+}
+
 /// The state of one client session.
 pub(crate) struct Session {
     shared: Arc<Shared>,
@@ -363,6 +403,8 @@ pub(crate) struct Session {
     admin: bool,
     /// Who is connected, for logs, rejections and `SHOW CLIENTS`.
     client_addr: String,
+    /// The client's TLS protocol and cipher suite, if it uses TLS.
+    tls: Option<String>,
     user: String,
     database: String,
     application_name: String,
@@ -442,6 +484,7 @@ impl Session {
             phase: Phase::Auth,
             admin: false,
             client_addr: peer.to_string(),
+            tls: None,
             user,
             database,
             application_name,
@@ -484,6 +527,7 @@ impl Session {
         stop: &Stop,
     ) -> Result<(), SessionError> {
         let (mut cr, mut cw) = client.split();
+        let client_tls = matches!(cw, crate::net::WriteHalf::Tls(..));
         let (mut sr, mut sw) = server.split();
         let task = std::future::poll_fn(|cx| std::task::Poll::Ready(cx.waker().clone())).await;
         let (server_readable, client_readable) = (Readable::new(&task), Readable::new(&task));
@@ -544,7 +588,7 @@ impl Session {
                         if let Err(e) = self.on_server_bytes(&mut sbuf) {
                             return Err(self.fail(&mut cw, e).await);
                         }
-                        let _ = cw.write_all(&self.to_client).await;
+                        let _ = write_out(&mut cw, &self.to_client).await;
                         return Err(SessionError::ServerIo(std::io::ErrorKind::UnexpectedEof.into()));
                     }
                     let was_waiting = self.hold == Hold::Waiting;
@@ -568,7 +612,8 @@ impl Session {
                     let n = r.map_err(SessionError::ServerIo)?;
                     self.to_server.advance(n);
                 }
-                r = cw.write(&self.to_client), if !self.to_client.is_empty() => {
+                // A write of nothing flushes TLS records the socket did not take before.
+                r = cw.write(&self.to_client), if !self.to_client.is_empty() || (client_tls && cw.pending()) => {
                     let n = r.map_err(SessionError::ClientIo)?;
                     self.to_client.advance(n);
                 }
@@ -604,7 +649,7 @@ impl Session {
     async fn fail(&mut self, cw: &mut crate::net::WriteHalf<'_>, e: SessionError) -> SessionError {
         e.to_client(&mut self.to_client);
         // A client that does not read cannot hold the session task forever.
-        let _ = crate::deadline::timeout(FAIL_WRITE_TIMEOUT, cw.write_all(&self.to_client)).await;
+        let _ = crate::deadline::timeout(FAIL_WRITE_TIMEOUT, write_out(cw, &self.to_client)).await;
         e
     }
 
@@ -613,7 +658,7 @@ impl Session {
         let e = SessionError::Shutdown;
         let mut out = BytesMut::new();
         e.to_client(&mut out);
-        let _ = cw.write_all(&out).await;
+        let _ = write_out(cw, &out).await;
         e
     }
 

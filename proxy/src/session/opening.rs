@@ -1,5 +1,5 @@
-//! The first bytes of a connection: startup packets (declining TLS and GSS encryption,
-//! serving cancel requests), the connection to the upstream server, and the FATAL error a
+//! The first bytes of a connection: startup packets (TLS when pgfence offers it, GSS
+//! encryption declined, cancel requests served), the connection to the upstream server, and the FATAL error a
 //! client gets when its session cannot start.
 
 use bytes::{Buf, BytesMut};
@@ -106,30 +106,43 @@ pub(super) async fn first_reply(
 /// How a connection opened.
 pub(super) enum Opening {
     Startup(Startup, usize),
-    Cancel { pid: i32, key: i32 },
+    Cancel {
+        pid: i32,
+        key: i32,
+    },
+    /// The client asked for TLS, which pgfence offers: answer `S` and run the handshake.
+    Tls,
     Closed,
 }
 
-/// Reads startup packets until a StartupMessage or a CancelRequest, declining TLS and GSS
-/// encryption (`N`) on the way.
+/// Reads startup packets until a StartupMessage or a CancelRequest, or an SSLRequest that
+/// pgfence accepts (`offer_tls`); other encryption requests are declined (`N`) on the way.
 pub(super) async fn read_startup(
     client: &mut Stream,
     buf: &mut BytesMut,
+    offer_tls: bool,
 ) -> Result<Opening, SessionError> {
     loop {
         match next_startup(buf)? {
-            Some((StartupPacket::SslRequest | StartupPacket::GssEncRequest, n)) => {
+            Some((request @ (StartupPacket::SslRequest | StartupPacket::GssEncRequest), n)) => {
                 buf.advance(n);
+                if !buf.is_empty() {
+                    // Bytes after an encryption request, before our answer: a client that
+                    // did not wait, or an attempt to slip plaintext in ahead of the
+                    // handshake (CVE-2021-23214). Declined, then refused, as PostgreSQL does.
+                    let _ = client.write_all(b"N").await;
+                    return Err(SessionError::EncryptionAfterStartup);
+                }
+                if matches!(client, Stream::Tls(_)) {
+                    return Err(SessionError::EncryptionTwice);
+                }
+                if offer_tls && matches!(request, StartupPacket::SslRequest) {
+                    return Ok(Opening::Tls);
+                }
                 client
                     .write_all(b"N")
                     .await
                     .map_err(SessionError::ClientIo)?;
-                if !buf.is_empty() {
-                    // Bytes after an encryption request, before our answer: a client that
-                    // did not wait (or an attack on the plaintext downgrade). Answered `N`
-                    // and then refused, as PostgreSQL does.
-                    return Err(SessionError::EncryptionAfterStartup);
-                }
                 continue;
             }
             Some((StartupPacket::Cancel { pid, key }, _)) => {
