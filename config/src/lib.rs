@@ -65,6 +65,13 @@ pub struct Upstream {
     pub host: String,
     /// Port of PostgreSQL. Default `5432`.
     pub port: u16,
+    /// TLS to the server, as libpq's `sslmode` (PgBouncer's `server_tls_sslmode`): `disable`,
+    /// `prefer`, `require`, `verify-ca` or `verify-full`. Default `disable`. Not used for a
+    /// Unix-domain socket.
+    pub sslmode: UpstreamSslMode,
+    /// PEM file with the certificate authorities that sign the server's certificate, for
+    /// `verify-ca` and `verify-full` (libpq's `sslrootcert`). Default: none.
+    pub sslrootcert: Option<std::path::PathBuf>,
 }
 
 impl Default for Upstream {
@@ -72,6 +79,54 @@ impl Default for Upstream {
         Upstream {
             host: "127.0.0.1".into(),
             port: 5432,
+            sslmode: UpstreamSslMode::Disable,
+            sslrootcert: None,
+        }
+    }
+}
+
+/// TLS to the upstream server, with libpq's `sslmode` names and meanings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum UpstreamSslMode {
+    /// Plain TCP.
+    #[default]
+    Disable,
+    /// TLS if the server offers it, plain otherwise; the certificate is not checked.
+    Prefer,
+    /// TLS, or no connection; the certificate is not checked.
+    Require,
+    /// TLS with a certificate signed by a CA of `sslrootcert`, for any host name.
+    VerifyCa,
+    /// TLS with a certificate signed by a CA of `sslrootcert` and issued for `host`.
+    VerifyFull,
+}
+
+impl std::fmt::Display for UpstreamSslMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            UpstreamSslMode::Disable => "disable",
+            UpstreamSslMode::Prefer => "prefer",
+            UpstreamSslMode::Require => "require",
+            UpstreamSslMode::VerifyCa => "verify-ca",
+            UpstreamSslMode::VerifyFull => "verify-full",
+        })
+    }
+}
+
+impl std::str::FromStr for UpstreamSslMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "disable" => Ok(UpstreamSslMode::Disable),
+            "prefer" => Ok(UpstreamSslMode::Prefer),
+            "require" => Ok(UpstreamSslMode::Require),
+            "verify-ca" => Ok(UpstreamSslMode::VerifyCa),
+            "verify-full" => Ok(UpstreamSslMode::VerifyFull),
+            other => Err(format!(
+                "unknown upstream TLS mode {other:?}: use disable, prefer, require, verify-ca or verify-full"
+            )),
         }
     }
 }
@@ -401,6 +456,8 @@ pub struct Overrides {
     pub listen: Option<SocketAddr>,
     pub unix_socket_dir: Option<String>,
     pub upstream: Option<Upstream>,
+    pub upstream_sslmode: Option<UpstreamSslMode>,
+    pub upstream_sslrootcert: Option<std::path::PathBuf>,
     pub log_format: Option<LogFormat>,
     pub metrics_addr: Option<SocketAddr>,
     pub max_message_size: Option<u32>,
@@ -420,7 +477,15 @@ impl Overrides {
             config.unix_socket_dir = Some(dir.clone());
         }
         if let Some(upstream) = &self.upstream {
-            config.upstream = upstream.clone();
+            // Where, not how: TLS settings come from their own overrides or the file.
+            config.upstream.host = upstream.host.clone();
+            config.upstream.port = upstream.port;
+        }
+        if let Some(mode) = self.upstream_sslmode {
+            config.upstream.sslmode = mode;
+        }
+        if let Some(path) = &self.upstream_sslrootcert {
+            config.upstream.sslrootcert = Some(path.clone());
         }
         if let Some(format) = self.log_format {
             config.telemetry.log_format = format;
@@ -494,17 +559,20 @@ impl Upstream {
             return Ok(Upstream {
                 host: host.to_string(),
                 port: port.parse().map_err(|_| bad())?,
+                ..Upstream::default()
             });
         }
         match s.rsplit_once(':') {
             Some((host, port)) if !host.contains(':') => Ok(Upstream {
                 host: host.to_string(),
                 port: port.parse().map_err(|_| bad())?,
+                ..Upstream::default()
             }),
             _ if s.is_empty() => Err(bad()),
             _ => Ok(Upstream {
                 host: s.to_string(),
                 port: 5432,
+                ..Upstream::default()
             }),
         }
     }
@@ -574,6 +642,17 @@ impl Config {
                     "unix_socket_dir {dir:?} must be an absolute directory path"
                 ));
             }
+        }
+        if matches!(
+            self.upstream.sslmode,
+            UpstreamSslMode::VerifyCa | UpstreamSslMode::VerifyFull
+        ) && self.upstream.sslrootcert.is_none()
+        {
+            return invalid(format!(
+                "upstream.sslmode = {} needs upstream.sslrootcert (a PEM file with the \
+                 certificate authorities that sign the server's certificate)",
+                self.upstream.sslmode
+            ));
         }
         if self.client_tls.sslmode != ClientSslMode::Disable {
             let mode = self.client_tls.sslmode;

@@ -78,7 +78,8 @@ fn upstream_addresses_parse() {
         Upstream::parse("db:6543").unwrap(),
         Upstream {
             host: "db".into(),
-            port: 6543
+            port: 6543,
+            ..Upstream::default()
         }
     );
     assert_eq!(Upstream::parse("db").unwrap().port, 5432);
@@ -86,7 +87,8 @@ fn upstream_addresses_parse() {
         Upstream::parse("[::1]:5433").unwrap(),
         Upstream {
             host: "::1".into(),
-            port: 5433
+            port: 5433,
+            ..Upstream::default()
         }
     );
     assert!(Upstream::parse("db:x").is_err());
@@ -157,4 +159,33 @@ fn client_tls_modes_and_their_files() {
     assert!(err.to_string().contains("verify-full"), "{err}");
     assert_eq!("prefer".parse::<ClientSslMode>(), Ok(ClientSslMode::Allow));
     assert_eq!(ClientSslMode::Require.to_string(), "require");
+}
+
+#[test]
+fn upstream_tls_modes_and_overrides() {
+    let config: Config =
+        toml::from_str("[upstream]\nsslmode = \"verify-full\"\nsslrootcert = \"/ca.pem\"\n")
+            .unwrap();
+    assert_eq!(config.upstream.sslmode, UpstreamSslMode::VerifyFull);
+    config.validate().unwrap();
+    let config: Config = toml::from_str("[upstream]\nsslmode = \"verify-ca\"\n").unwrap();
+    let err = config.validate().unwrap_err().to_string();
+    assert!(err.contains("needs upstream.sslrootcert"), "{err}");
+    // --upstream changes where, not how.
+    let mut config: Config = toml::from_str("[upstream]\nsslmode = \"require\"\n").unwrap();
+    Overrides {
+        upstream: Some(Upstream::parse("db:6543").unwrap()),
+        ..Overrides::default()
+    }
+    .apply(&mut config);
+    assert_eq!(
+        (config.upstream.host.as_str(), config.upstream.port),
+        ("db", 6543)
+    );
+    assert_eq!(config.upstream.sslmode, UpstreamSslMode::Require);
+    assert_eq!(
+        "verify-ca".parse::<UpstreamSslMode>(),
+        Ok(UpstreamSslMode::VerifyCa)
+    );
+    assert!("allow".parse::<UpstreamSslMode>().is_err());
 }

@@ -55,6 +55,8 @@ pub enum SessionError {
     TlsHandshake(#[source] io::Error),
     #[error("pgfence requires TLS from its clients (client_tls.sslmode = require)")]
     TlsRequired,
+    #[error("SCRAM channel binding cannot pass through pgfence: the client uses TLS to pgfence and pgfence uses its own TLS connection to the server")]
+    ChannelBindingThroughProxy,
 }
 
 impl SessionError {
@@ -70,7 +72,8 @@ impl SessionError {
             | SessionError::EncryptionAfterStartup
             | SessionError::EncryptionTwice
             | SessionError::TlsHandshake(_)
-            | SessionError::TlsRequired => Side::Client,
+            | SessionError::TlsRequired
+            | SessionError::ChannelBindingThroughProxy => Side::Client,
             SessionError::ServerIo(_)
             | SessionError::ServerFrame(_)
             | SessionError::UnexpectedServerMessage(_)
@@ -87,7 +90,9 @@ impl SessionError {
         match self {
             SessionError::TooManyClients(_) => "53300",
             SessionError::UnsupportedEncoding(_) => "0A000",
-            SessionError::NotAdmin(_) | SessionError::TlsRequired => "28000",
+            SessionError::NotAdmin(_)
+            | SessionError::TlsRequired
+            | SessionError::ChannelBindingThroughProxy => "28000",
             SessionError::Shutdown => "57P01",
             // feature_not_supported, as PostgreSQL answers an unsupported version.
             SessionError::Startup(StartupError::Version { .. }) => "0A000",
@@ -109,7 +114,10 @@ impl SessionError {
     fn hint(&self) -> Option<&'static str> {
         match self {
             SessionError::UpstreamConnect { .. } => Some(
-                "Check that PostgreSQL is running and reachable at pgfence's --upstream address.",
+                "Check that PostgreSQL is running and reachable at pgfence's --upstream address, and upstream.sslmode and upstream.sslrootcert if it uses TLS.",
+            ),
+            SessionError::ChannelBindingThroughProxy => Some(
+                "Connect with channel_binding=disable: pgfence hides SCRAM-SHA-256-PLUS when its connection to the server uses TLS.",
             ),
             SessionError::TlsRequired => {
                 Some("Connect with sslmode=require (or verify-ca, verify-full) in the connection string.")

@@ -43,18 +43,24 @@ pub async fn install_with(
     drain: Duration,
 ) -> Result<(), String> {
     let mut pg = tokio_postgres::Config::new();
-    pg.host(&config.upstream.host)
-        .port(config.upstream.port)
-        .dbname(database)
-        .user(user);
+    pg.dbname(database).user(user);
     pg.application_name("pgfence install");
     if let Some(p) = password {
         pg.password(p);
     }
     let upstream = config.upstream.to_string();
-    let (client, connection) = pg.connect(tokio_postgres::NoTls).await.map_err(|e| {
-        format!("cannot connect to {upstream} (database {database:?}, user {user:?}): {e}")
-    })?;
+    // pgfence's own connection (TCP or socket, TLS as `upstream.sslmode` says), over which
+    // tokio-postgres speaks the protocol.
+    let tls = crate::tls::connector(&config.upstream)?;
+    let stream = crate::net::Stream::connect(&config.upstream, tls)
+        .await
+        .map_err(|e| format!("cannot connect to {upstream}: {e}"))?;
+    let (client, connection) = pg
+        .connect_raw(stream, tokio_postgres::NoTls)
+        .await
+        .map_err(|e| {
+            format!("cannot connect to {upstream} (database {database:?}, user {user:?}): {e}")
+        })?;
     let task = tokio::spawn(connection);
     let grant = grant_to.or(config.fence.grant_to.as_deref());
     let failed = |e: tokio_postgres::Error| {

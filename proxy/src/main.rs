@@ -9,7 +9,9 @@ use std::sync::Arc;
 use clap::{Parser, Subcommand};
 use pgfence::state::Shared;
 use pgfence::ShutdownMode;
-use pgfence_config::{ClientSslMode, Config, LogFormat, Overrides, Source, Upstream};
+use pgfence_config::{
+    ClientSslMode, Config, LogFormat, Overrides, Source, Upstream, UpstreamSslMode,
+};
 use tokio::signal::unix::{signal, Signal, SignalKind};
 use tracing::{error, info};
 
@@ -42,6 +44,23 @@ struct Cli {
     /// [default: 127.0.0.1:5432].
     #[arg(long, env = "PGFENCE_UPSTREAM", global = true)]
     upstream: Option<String>,
+    /// TLS to the upstream server, as libpq's sslmode: disable, prefer, require, verify-ca
+    /// or verify-full [default: disable].
+    #[arg(
+        long,
+        value_name = "MODE",
+        env = "PGFENCE_UPSTREAM_SSLMODE",
+        global = true
+    )]
+    upstream_sslmode: Option<UpstreamSslMode>,
+    /// PEM file with the CAs that sign the server's certificate (verify-ca, verify-full).
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "PGFENCE_UPSTREAM_SSLROOTCERT",
+        global = true
+    )]
+    upstream_sslrootcert: Option<PathBuf>,
     /// Log format: text or json [default: text]. Filter with RUST_LOG (default: info).
     #[arg(long, env = "PGFENCE_LOG_FORMAT", value_parser = parse_log_format, global = true)]
     log_format: Option<LogFormat>,
@@ -123,6 +142,8 @@ fn source(cli: &Cli) -> Result<Source, String> {
             listen: cli.listen,
             unix_socket_dir: cli.unix_socket_dir.clone(),
             upstream,
+            upstream_sslmode: cli.upstream_sslmode,
+            upstream_sslrootcert: cli.upstream_sslrootcert.clone(),
             log_format: cli.log_format,
             metrics_addr: cli.metrics_addr,
             max_message_size: cli.max_message_size,
@@ -163,7 +184,9 @@ fn main() -> ExitCode {
             }
         };
     // Certificate and key files are configuration too: refused before anything starts.
-    if let Err(e) = pgfence::tls::acceptor(&config.client_tls) {
+    if let Err(e) = pgfence::tls::acceptor(&config.client_tls)
+        .and_then(|_| pgfence::tls::connector(&config.upstream))
+    {
         eprintln!("pgfence: {e}");
         return ExitCode::from(2);
     }
@@ -243,6 +266,7 @@ async fn serve(config: Config, source: Source, threads: usize) -> Result<(), Str
         listen = %config.listen,
         unix_socket = ?socket_path,
         upstream = %config.upstream,
+        upstream_sslmode = %config.upstream.sslmode,
         client_tls = %config.client_tls.sslmode,
         fence = config.fence.enabled,
         metrics = ?config.telemetry.metrics_addr,

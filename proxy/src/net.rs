@@ -71,7 +71,7 @@ pub fn bind_client_socket(path: &Path) -> Result<tokio::net::UnixListener, Strin
 pub enum Stream {
     Tcp(TcpStream),
     Unix(UnixStream),
-    /// A client's TCP connection after pgfence's TLS handshake.
+    /// A TCP connection after a TLS handshake (a client's, or the server's).
     Tls(Box<TlsStream>),
 }
 
@@ -80,18 +80,51 @@ pub enum Stream {
 pub enum StdStream {
     Tcp(std::net::TcpStream),
     Unix(std::os::unix::net::UnixStream),
+    /// A TLS connection to the server, with its state.
+    Tls(std::net::TcpStream, Box<TlsState>),
 }
 
 impl Stream {
-    /// Connects to `upstream` (TCP with `TCP_NODELAY`, or its Unix-domain socket).
-    pub async fn connect(upstream: &Upstream) -> io::Result<Stream> {
-        match upstream.socket_path() {
-            Some(path) => Ok(Stream::Unix(UnixStream::connect(path).await?)),
-            None => {
-                let s = TcpStream::connect((upstream.host.as_str(), upstream.port)).await?;
-                let _ = s.set_nodelay(true);
+    /// Connects to `upstream` (TCP with `TCP_NODELAY`, or its Unix-domain socket), and
+    /// over TCP asks for TLS when `tls` is given (`upstream.sslmode` says whether a server
+    /// that declines may be used without).
+    pub async fn connect(
+        upstream: &Upstream,
+        tls: Option<Arc<rustls::ClientConfig>>,
+    ) -> io::Result<Stream> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        if let Some(path) = upstream.socket_path() {
+            return Ok(Stream::Unix(UnixStream::connect(path).await?));
+        }
+        let mut s = TcpStream::connect((upstream.host.as_str(), upstream.port)).await?;
+        let _ = s.set_nodelay(true);
+        let Some(tls) = tls else {
+            return Ok(Stream::Tcp(s));
+        };
+        s.write_all(&crate::protocol::startup::SSL_REQUEST_PACKET)
+            .await?;
+        match s.read_u8().await? {
+            b'S' => {
+                let tls = TlsStream::connect(s, tls, &upstream.host).await?;
+                Ok(Stream::Tls(Box::new(tls)))
+            }
+            b'N' if upstream.sslmode == pgfence_config::UpstreamSslMode::Prefer => {
                 Ok(Stream::Tcp(s))
             }
+            b'N' => Err(io::Error::new(
+                io::ErrorKind::ConnectionRefused,
+                format!(
+                    "the server does not support TLS, and upstream.sslmode = {}",
+                    upstream.sslmode
+                ),
+            )),
+            other => Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "the server answered the SSLRequest with {:?}",
+                    other as char
+                ),
+            )),
         }
     }
 
@@ -150,16 +183,15 @@ impl Stream {
         }
     }
 
-    /// Leaves the runtime (the socket stays non-blocking). Not for a TLS connection, whose
-    /// state lives in pgfence: those are never kept.
+    /// Leaves the runtime (the socket stays non-blocking; a TLS connection keeps its state).
     pub fn into_std(self) -> io::Result<StdStream> {
         match self {
             Stream::Tcp(s) => s.into_std().map(StdStream::Tcp),
             Stream::Unix(s) => s.into_std().map(StdStream::Unix),
-            Stream::Tls(_) => Err(io::Error::new(
-                io::ErrorKind::Unsupported,
-                "a TLS connection cannot leave its runtime",
-            )),
+            Stream::Tls(t) => {
+                let TlsStream { io, conn } = *t;
+                Ok(StdStream::Tls(io.into_std()?, Box::new(conn)))
+            }
         }
     }
 
@@ -168,6 +200,10 @@ impl Stream {
         match stream {
             StdStream::Tcp(s) => TcpStream::from_std(s).map(Stream::Tcp),
             StdStream::Unix(s) => UnixStream::from_std(s).map(Stream::Unix),
+            StdStream::Tls(s, conn) => Ok(Stream::Tls(Box::new(TlsStream {
+                io: TcpStream::from_std(s)?,
+                conn: *conn,
+            }))),
         }
     }
 }
@@ -179,18 +215,29 @@ impl StdStream {
         use std::io::Read;
         let mut byte = [0u8; 1];
         let read = match self {
-            StdStream::Tcp(s) => (&*s).read(&mut byte),
+            StdStream::Tcp(s) | StdStream::Tls(s, _) => (&*s).read(&mut byte),
             StdStream::Unix(s) => (&*s).read(&mut byte),
         };
         matches!(read, Err(e) if e.kind() == io::ErrorKind::WouldBlock)
     }
 
-    /// Writes what the socket takes now.
+    /// Writes what the socket takes now (for TLS, then close_notify).
     pub fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         use std::io::Write;
         match self {
             StdStream::Tcp(s) => s.write(buf),
             StdStream::Unix(s) => s.write(buf),
+            StdStream::Tls(s, conn) => {
+                let conn = conn
+                    .get_mut()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                let n = conn.writer().write(buf)?;
+                conn.send_close_notify();
+                while conn.wants_write() {
+                    conn.write_tls(s)?;
+                }
+                Ok(n)
+            }
         }
     }
 }

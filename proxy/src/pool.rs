@@ -23,7 +23,7 @@ use crate::net::StdStream;
 /// What a parked connection is kept under.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct PoolKey {
-    /// `host:port` of the upstream.
+    /// The upstream and how pgfence connects to it ([`upstream_key`]).
     pub upstream: String,
     /// The startup packet, byte for byte.
     pub startup: Box<[u8]>,
@@ -184,7 +184,8 @@ impl ServerPool {
     }
 
     /// Closes connections idle longer than `server_idle_timeout`, older than
-    /// `server_lifetime`, or to another upstream than `upstream` (after a reload).
+    /// `server_lifetime`, or to another upstream than `upstream` (after a reload; see
+    /// [`upstream_key`]).
     pub fn sweep(&self, config: &PoolConfig, upstream: &str) {
         let now = Instant::now();
         let mut expired = Vec::new();
@@ -250,3 +251,10 @@ impl ServerPool {
 
 /// How often idle connections are checked for timeouts.
 pub const SWEEP_EVERY: Duration = Duration::from_secs(1);
+
+/// What kept connections are filed under besides the startup packet: the upstream's
+/// `host:port` and its `sslmode`, so that a reload that changes either stops handing out
+/// connections made the old way.
+pub fn upstream_key(upstream: &pgfence_config::Upstream) -> String {
+    format!("{upstream} sslmode={}", upstream.sslmode)
+}

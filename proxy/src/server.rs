@@ -194,7 +194,7 @@ async fn sweep_idle_servers(shared: Arc<Shared>) {
         if config.pool.reuse_servers {
             shared
                 .pool
-                .sweep(&config.pool, &config.upstream.to_string());
+                .sweep(&config.pool, &crate::pool::upstream_key(&config.upstream));
         } else {
             shared.pool.clear();
         }

@@ -19,9 +19,8 @@ pub const REJECTIONS_KEPT: usize = 100;
 #[derive(Debug)]
 pub struct Shared {
     config: RwLock<Arc<Config>>,
-    /// rustls' configuration for clients' TLS, built from `config.client_tls` (`None`:
-    /// TLS is declined).
-    client_tls: RwLock<Option<Arc<rustls::ServerConfig>>>,
+    /// rustls' configurations built from `config`'s TLS settings and files.
+    tls: RwLock<TlsConfigs>,
     pub cancel: CancelRegistry,
     pub fences: KnownFences,
     pub rejections: Mutex<VecDeque<RejectionRecord>>,
@@ -50,11 +49,11 @@ impl Drop for ActiveGuard {
 impl Shared {
     /// State for `config`; fails when its TLS certificate or key cannot be used.
     pub fn new(config: Arc<Config>) -> Result<Shared, String> {
-        let client_tls = crate::tls::acceptor(&config.client_tls)?;
+        let tls = TlsConfigs::new(&config)?;
         let metrics = Arc::new(crate::metrics::Metrics::default());
         Ok(Shared {
             config: RwLock::new(config),
-            client_tls: RwLock::new(client_tls),
+            tls: RwLock::new(tls),
             cancel: CancelRegistry::default(),
             fences: KnownFences::default(),
             rejections: Mutex::new(VecDeque::with_capacity(REJECTIONS_KEPT)),
@@ -169,17 +168,27 @@ impl Shared {
     /// Puts a new configuration in force for new sessions, with the TLS certificate and
     /// key its files hold now. A certificate or key that cannot be used changes nothing.
     pub fn set_config(&self, config: Arc<Config>) -> Result<(), String> {
-        let client_tls = crate::tls::acceptor(&config.client_tls)?;
-        *self.client_tls.write().expect("TLS config lock poisoned") = client_tls;
+        let tls = TlsConfigs::new(&config)?;
+        *self.tls.write().expect("TLS config lock poisoned") = tls;
         *self.config.write().expect("config lock poisoned") = config;
         Ok(())
     }
 
     /// The TLS configuration new clients get, `None` when TLS is declined.
     pub fn client_tls(&self) -> Option<Arc<rustls::ServerConfig>> {
-        self.client_tls
+        self.tls
             .read()
             .expect("TLS config lock poisoned")
+            .client
+            .clone()
+    }
+
+    /// The TLS configuration of new server connections, `None` for plain ones.
+    pub fn upstream_tls(&self) -> Option<Arc<rustls::ClientConfig>> {
+        self.tls
+            .read()
+            .expect("TLS config lock poisoned")
+            .upstream
             .clone()
     }
 
@@ -195,6 +204,23 @@ impl Shared {
             log.pop_front();
         }
         log.push_back(record);
+    }
+}
+
+/// rustls' side of the configuration: for clients (`client_tls`) and for the server
+/// (`upstream.sslmode`); `None` where TLS is not used.
+#[derive(Debug)]
+struct TlsConfigs {
+    client: Option<Arc<rustls::ServerConfig>>,
+    upstream: Option<Arc<rustls::ClientConfig>>,
+}
+
+impl TlsConfigs {
+    fn new(config: &Config) -> Result<TlsConfigs, String> {
+        Ok(TlsConfigs {
+            client: crate::tls::acceptor(&config.client_tls)?,
+            upstream: crate::tls::connector(&config.upstream)?,
+        })
     }
 }
 

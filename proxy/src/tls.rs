@@ -1,7 +1,9 @@
-//! TLS that pgfence terminates for its clients (`[client_tls]`), with rustls.
+//! TLS with rustls: terminated for clients (`[client_tls]`), and to the upstream server
+//! (`upstream.sslmode`).
 //!
 //! A client asks with an SSLRequest; pgfence answers `S` and the TLS handshake follows on
-//! the same socket, before the startup packet (PostgreSQL's protocol). The session then
+//! the same socket, before the startup packet (PostgreSQL's protocol). pgfence asks the
+//! server the same way. The session then
 //! reads and writes plaintext through [`TlsStream`], an adapter written for the forwarding
 //! loop: its two halves are polled at once by one task, a write can be tried without a
 //! waker (as on a plain socket), and records rustls could not send yet are reported
@@ -11,7 +13,7 @@ use std::io::{self, BufRead, Read, Write};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{ready, Context, Poll};
 
-use pgfence_config::{ClientSslMode, ClientTls};
+use pgfence_config::{ClientSslMode, ClientTls, Upstream, UpstreamSslMode};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::io::ReadBuf;
@@ -72,6 +74,165 @@ pub fn acceptor(tls: &ClientTls) -> Result<Option<Arc<rustls::ServerConfig>>, St
     Ok(Some(Arc::new(config)))
 }
 
+/// The rustls configuration for the upstream connection, or `None` when `sslmode` is
+/// `disable`. `prefer` and `require` accept any certificate (libpq's meaning); `verify-ca`
+/// checks the chain against `sslrootcert`, `verify-full` the host name too.
+pub fn connector(upstream: &Upstream) -> Result<Option<Arc<rustls::ClientConfig>>, String> {
+    let mode = upstream.sslmode;
+    if mode == UpstreamSslMode::Disable {
+        return Ok(None);
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("upstream TLS: {e}"))?;
+    let config = match (&upstream.sslrootcert, mode) {
+        (Some(path), UpstreamSslMode::VerifyCa | UpstreamSslMode::VerifyFull) => {
+            let mut roots = rustls::RootCertStore::empty();
+            let certs = CertificateDer::pem_file_iter(path)
+                .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+                .map_err(|e| {
+                    format!(
+                        "upstream.sslrootcert {}: cannot read PEM certificates: {e}",
+                        path.display()
+                    )
+                })?;
+            let (added, _) = roots.add_parsable_certificates(certs);
+            if added == 0 {
+                return Err(format!(
+                    "upstream.sslrootcert {}: no usable CA certificate in the file",
+                    path.display()
+                ));
+            }
+            let webpki = rustls::client::WebPkiServerVerifier::builder_with_provider(
+                Arc::new(roots),
+                provider,
+            )
+            .build()
+            .map_err(|e| format!("upstream.sslrootcert {}: {e}", path.display()))?;
+            let verifier: Arc<dyn rustls::client::danger::ServerCertVerifier> =
+                if mode == UpstreamSslMode::VerifyCa {
+                    Arc::new(AnyName(webpki))
+                } else {
+                    webpki
+                };
+            builder
+                .dangerous()
+                .with_custom_certificate_verifier(verifier)
+                .with_no_client_auth()
+        }
+        (None, UpstreamSslMode::VerifyCa | UpstreamSslMode::VerifyFull) => {
+            return Err(format!(
+                "upstream.sslmode = {mode} needs upstream.sslrootcert"
+            ))
+        }
+        _ => builder
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(AnyCertificate(provider)))
+            .with_no_client_auth(),
+    };
+    Ok(Some(Arc::new(config)))
+}
+
+/// `verify-ca`: the chain must lead to a trusted CA; the name in the certificate may be
+/// any (as libpq's `verify-ca`).
+#[derive(Debug)]
+struct AnyName(Arc<rustls::client::WebPkiServerVerifier>);
+
+impl rustls::client::danger::ServerCertVerifier for AnyName {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &rustls::pki_types::ServerName<'_>,
+        ocsp: &[u8],
+        now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        use rustls::CertificateError::{NotValidForName, NotValidForNameContext};
+        match self
+            .0
+            .verify_server_cert(end_entity, intermediates, server_name, ocsp, now)
+        {
+            Err(rustls::Error::InvalidCertificate(
+                NotValidForName | NotValidForNameContext { .. },
+            )) => Ok(rustls::client::danger::ServerCertVerified::assertion()),
+            other => other,
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.supported_verify_schemes()
+    }
+}
+
+/// `prefer` and `require`: encryption without authentication of the server, as libpq
+/// without a root certificate. The handshake's signatures are still checked.
+#[derive(Debug)]
+struct AnyCertificate(Arc<rustls::crypto::CryptoProvider>);
+
+impl rustls::client::danger::ServerCertVerifier for AnyCertificate {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &rustls::pki_types::ServerName<'_>,
+        _ocsp: &[u8],
+        _now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        Ok(rustls::client::danger::ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
 /// A TLS connection over TCP: the socket and rustls' state. The forwarding loop polls the
 /// read and the write half at once in one task, so the state sits behind a lock that is
 /// never contended.
@@ -130,6 +291,25 @@ impl TlsStream {
         Ok(tls)
     }
 
+    /// Runs the client side of a handshake with the server at `io` (which answered `S`),
+    /// for the name `host`.
+    pub async fn connect(
+        io: TcpStream,
+        config: Arc<rustls::ClientConfig>,
+        host: &str,
+    ) -> io::Result<Self> {
+        let name = rustls::pki_types::ServerName::try_from(host.to_string()).map_err(|e| {
+            io::Error::new(io::ErrorKind::InvalidInput, format!("host {host:?}: {e}"))
+        })?;
+        let conn = rustls::ClientConnection::new(config, name).map_err(tls_error)?;
+        let tls = TlsStream {
+            io,
+            conn: Mutex::new(conn.into()),
+        };
+        std::future::poll_fn(|cx| handshake(&tls.io, &tls.conn, cx)).await?;
+        Ok(tls)
+    }
+
     /// The protocol version and cipher suite, as `SHOW CLIENTS` shows them.
     pub fn describe(&self) -> String {
         let conn = lock(&self.conn);
@@ -156,7 +336,7 @@ fn handshake(
         if ready!(receive(io, &mut conn, cx))? == 0 {
             return Poll::Ready(Err(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
-                "the client closed the connection during the TLS handshake",
+                "the peer closed the connection during the TLS handshake",
             )));
         }
     }

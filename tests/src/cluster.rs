@@ -251,6 +251,58 @@ impl PgCluster {
         client_command(&self.bin_dir.join("pgbench"), self.port)
     }
 
+    /// Turns TLS on in the running server with `cert` and `key` (PEM files, copied into the
+    /// data directory, owned by the server's OS user, the key readable by it alone, as
+    /// PostgreSQL requires) and reloads it.
+    pub fn enable_ssl(&self, cert: &Path, key: &Path) {
+        use std::os::unix::fs::PermissionsExt;
+        let (cert_copy, key_copy) = (
+            self.data_dir().join("server.crt"),
+            self.data_dir().join("server.key"),
+        );
+        fs::copy(cert, &cert_copy).expect("copy the server certificate");
+        fs::copy(key, &key_copy).expect("copy the server key");
+        fs::set_permissions(&key_copy, fs::Permissions::from_mode(0o600))
+            .expect("chmod 600 the server key");
+        if let Some(o) = self.owner {
+            for path in [&cert_copy, &key_copy] {
+                chown(path, Some(o.uid.as_raw()), Some(o.gid.as_raw()))
+                    .unwrap_or_else(|e| panic!("chown {} to postgres: {e}", path.display()));
+            }
+        }
+        self.append_settings([
+            ("ssl".to_string(), "on".to_string()),
+            ("ssl_cert_file".to_string(), "'server.crt'".to_string()),
+            ("ssl_key_file".to_string(), "'server.key'".to_string()),
+        ]);
+        self.psql("postgres", "SELECT pg_reload_conf()");
+        let start = std::time::Instant::now();
+        while self.psql("postgres", "SHOW ssl").trim() != "on" {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "ssl did not turn on:\n{}",
+                self.server_log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Refuses TCP logins that do not use TLS (`hostnossl ... reject` before the harness's
+    /// own lines) and reloads. Call after [`PgCluster::enable_ssl`]; psql's default
+    /// `sslmode=prefer` still gets in.
+    pub fn refuse_plain_tcp(&self) {
+        let hba = self.data_dir().join("pg_hba.conf");
+        let lines = fs::read_to_string(&hba).expect("read pg_hba.conf");
+        fs::write(
+            &hba,
+            format!("hostnossl all all 127.0.0.1/32 reject\n{lines}"),
+        )
+        .expect("write pg_hba.conf");
+        self.psql("postgres", "SELECT pg_reload_conf()");
+        // The postmaster reads pg_hba.conf on SIGHUP, before it takes the next connection.
+        std::thread::sleep(Duration::from_millis(200));
+    }
+
     /// Stops the server (`-m fast`), keeping its data; [`PgCluster::start_server`] starts it
     /// again on the same port. For tests of an upstream that goes away.
     pub fn stop_server(&mut self) {

@@ -23,8 +23,15 @@ pub struct TestCerts {
 }
 
 impl TestCerts {
-    /// A new CA named `ca_name` and a server certificate signed by it.
+    /// A new CA named `ca_name` and a server certificate signed by it for `localhost` and
+    /// `127.0.0.1`.
     pub fn new(ca_name: &str) -> TestCerts {
+        TestCerts::for_names(ca_name, &["localhost", "127.0.0.1"])
+    }
+
+    /// A new CA named `ca_name` and a server certificate signed by it for `names` (host
+    /// names or IP addresses).
+    pub fn for_names(ca_name: &str, names: &[&str]) -> TestCerts {
         let dir = tempfile::tempdir().expect("temporary directory for certificates");
         let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
         ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
@@ -35,11 +42,9 @@ impl TestCerts {
             .expect("self-signed CA");
         let key = KeyPair::generate().expect("server key");
         let mut params =
-            CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])
+            CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
                 .expect("server params");
-        params
-            .distinguished_name
-            .push(DnType::CommonName, "localhost");
+        params.distinguished_name.push(DnType::CommonName, names[0]);
         let cert = params.signed_by(&key, &ca).expect("server certificate");
         let write = |name: &str, text: &str| {
             let path = dir.path().join(name);

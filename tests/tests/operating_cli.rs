@@ -26,6 +26,8 @@ const FLAGS: &[&str] = &[
     "--threads",
     "--unix-socket-dir",
     "--upstream",
+    "--upstream-sslmode",
+    "--upstream-sslrootcert",
     "--version",
 ];
 /// The environment variable of each setting flag.
@@ -41,6 +43,8 @@ const ENV: &[&str] = &[
     "PGFENCE_CLIENT_TLS_SSLMODE",
     "PGFENCE_CLIENT_TLS_CERT_FILE",
     "PGFENCE_CLIENT_TLS_KEY_FILE",
+    "PGFENCE_UPSTREAM_SSLMODE",
+    "PGFENCE_UPSTREAM_SSLROOTCERT",
 ];
 /// The flags of `pgfence install` besides the global ones.
 const INSTALL_FLAGS: &[&str] = &["--database", "--user", "--password", "--grant-to"];
@@ -171,6 +175,23 @@ fn unusable_tls_settings_stop_the_binary() {
         assert_eq!(out.code, Some(2), "{args:?}: {out:?}");
         out.stderr.clone()
     };
+    let stderr = refused(&["--upstream-sslmode", "allow"]);
+    assert!(stderr.contains("allow"), "{stderr}");
+    let stderr = refused(&["--upstream-sslmode", "verify-full"]);
+    assert!(
+        stderr.contains("upstream.sslmode = verify-full needs upstream.sslrootcert"),
+        "{stderr}"
+    );
+    let stderr = refused(&[
+        "--upstream-sslmode",
+        "verify-ca",
+        "--upstream-sslrootcert",
+        "/nonexistent/root.crt",
+    ]);
+    assert!(
+        stderr.contains("upstream.sslrootcert /nonexistent/root.crt: cannot read"),
+        "{stderr}"
+    );
     let stderr = refused(&["--client-tls-sslmode", "sometimes"]);
     assert!(stderr.contains("sometimes"), "{stderr}");
     let stderr = refused(&["--client-tls-sslmode", "require"]);

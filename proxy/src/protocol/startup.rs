@@ -4,6 +4,11 @@
 /// PostgreSQL caps startup packets at this size (`MAX_STARTUP_PACKET_LENGTH`).
 pub const MAX_STARTUP_PACKET: u32 = 10_000;
 const SSL_REQUEST: u32 = 80877103;
+/// The whole SSLRequest packet, as pgfence sends it to a server: length 8, then the code.
+pub const SSL_REQUEST_PACKET: [u8; 8] = {
+    let code = SSL_REQUEST.to_be_bytes();
+    [0, 0, 0, 8, code[0], code[1], code[2], code[3]]
+};
 const GSSENC_REQUEST: u32 = 80877104;
 const CANCEL_REQUEST: u32 = 80877102;
 

@@ -10,6 +10,19 @@ use crate::state::ClientInfo;
 
 use super::{Flow, Phase, Session};
 
+const SCRAM_PLUS: &[u8] = b"SCRAM-SHA-256-PLUS";
+
+/// A SASLInitialResponse for SCRAM-SHA-256 whose GS2 header says `y`: the client supports
+/// channel binding and, told the server does not, would have the server refuse it as a
+/// downgrade (PostgreSQL does when its own connection uses TLS).
+fn asks_for_channel_binding(frame: &[u8]) -> bool {
+    let body = crate::protocol::message::body(frame);
+    let Some(end) = body.iter().position(|&b| b == 0) else {
+        return false;
+    };
+    body[..end] == *b"SCRAM-SHA-256" && body.get(end + 5..end + 7) == Some(b"y,")
+}
+
 impl Session {
     /// During authentication the client may only answer the server's requests.
     pub(super) fn on_auth_client_frame(
@@ -19,6 +32,9 @@ impl Session {
     ) -> Result<Flow, SessionError> {
         match tag {
             b'p' => {
+                if std::mem::take(&mut self.plus_hidden) && asks_for_channel_binding(frame) {
+                    return Err(SessionError::ChannelBindingThroughProxy);
+                }
                 self.to_server.extend_from_slice(frame);
                 Ok(Flow::Continue)
             }
@@ -81,12 +97,30 @@ impl Session {
                 self.to_client.extend_from_slice(frame);
             }
             b'R' => {
+                let body = crate::protocol::message::body(frame);
                 // Anything but AuthenticationOk asked the client for credentials: such a
                 // connection is never handed to another client.
-                if crate::protocol::message::body(frame).get(..4) != Some(&[0, 0, 0, 0]) {
+                if body.get(..4) != Some(&[0, 0, 0, 0]) {
                     self.reusable_login = false;
                 }
-                self.to_client.extend_from_slice(frame);
+                if self.upstream_tls && body.get(..4) == Some(&[0, 0, 0, 10]) {
+                    // AuthenticationSASL over TLS to the server: SCRAM-SHA-256-PLUS would
+                    // bind the login to the server's TLS connection, which the client does
+                    // not see.
+                    self.plus_hidden = true;
+                    let kept = body[4..]
+                        .split(|&b| b == 0)
+                        .filter(|m| !m.is_empty() && *m != SCRAM_PLUS);
+                    crate::protocol::message::write_message(&mut self.to_client, b'R', |o| {
+                        o.extend_from_slice(&10i32.to_be_bytes());
+                        for mechanism in kept {
+                            crate::protocol::message::put_cstr(o, mechanism);
+                        }
+                        o.extend_from_slice(&[0]);
+                    });
+                } else {
+                    self.to_client.extend_from_slice(frame);
+                }
             }
             b'E' | b'N' | b'v' => self.to_client.extend_from_slice(frame),
             _ => return Err(SessionError::UnexpectedServerMessage(tag as char)),

@@ -311,7 +311,7 @@ async fn run_session(
         );
     }
     let pool_key = (!admin && config.pool.reuse_servers && !replication).then(|| PoolKey {
-        upstream: upstream_name.clone(),
+        upstream: crate::pool::upstream_key(&config.upstream),
         startup: cbuf[..packet_len].into(),
     });
     let parked = pool_key
@@ -325,7 +325,7 @@ async fn run_session(
     let mut sbuf = BytesMut::with_capacity(READ_CHUNK);
     let (mut server, born, reused) = match parked {
         Some((s, born, login)) => (s, born, Some(login)),
-        None => match connect_upstream(&config).await {
+        None => match connect_upstream(shared, &config).await {
             Ok(s) if admin => (s, Instant::now(), None),
             Ok(s) => {
                 // The startup packet goes upstream exactly as the client sent it.
@@ -360,6 +360,7 @@ async fn run_session(
     });
     let mut session = Session::new(shared.clone(), config, id, peer, &startup, upstream_addr);
     session.tls = tls;
+    session.upstream_tls = server.tls().is_some();
     if admin {
         // The console logs in to the upstream server, which checks the password.
         session.admin = true;
@@ -459,6 +460,11 @@ pub(crate) struct Session {
     login: LoginReply,
     /// The server accepted the login without asking for credentials (see [`crate::pool`]).
     reusable_login: bool,
+    /// The server connection uses TLS: the server's `SCRAM-SHA-256-PLUS` is hidden from
+    /// the client, since channel binding cannot pass through pgfence.
+    upstream_tls: bool,
+    /// SCRAM-SHA-256-PLUS was hidden and the client's SASLInitialResponse is still to come.
+    plus_hidden: bool,
     /// The client closed in the middle of a message.
     client_left_mid_message: bool,
 }
@@ -513,6 +519,8 @@ impl Session {
             server_fatal: None,
             login: LoginReply::default(),
             reusable_login: true,
+            upstream_tls: false,
+            plus_hidden: false,
             client_left_mid_message: false,
         }
     }
@@ -529,6 +537,7 @@ impl Session {
         let (mut cr, mut cw) = client.split();
         let client_tls = matches!(cw, crate::net::WriteHalf::Tls(..));
         let (mut sr, mut sw) = server.split();
+        let server_tls = matches!(sw, crate::net::WriteHalf::Tls(..));
         let task = std::future::poll_fn(|cx| std::task::Poll::Ready(cx.waker().clone())).await;
         let (server_readable, client_readable) = (Readable::new(&task), Readable::new(&task));
         let mut client_open = true;
@@ -608,11 +617,11 @@ impl Session {
                         client_pending = true;
                     }
                 }
-                r = sw.write(&self.to_server), if !self.to_server.is_empty() => {
+                // A write of nothing flushes TLS records the socket did not take before.
+                r = sw.write(&self.to_server), if !self.to_server.is_empty() || (server_tls && sw.pending()) => {
                     let n = r.map_err(SessionError::ServerIo)?;
                     self.to_server.advance(n);
                 }
-                // A write of nothing flushes TLS records the socket did not take before.
                 r = cw.write(&self.to_client), if !self.to_client.is_empty() || (client_tls && cw.pending()) => {
                     let n = r.map_err(SessionError::ClientIo)?;
                     self.to_client.advance(n);
@@ -781,7 +790,12 @@ impl Session {
             }
         }
         let terminate = &crate::protocol::message::TERMINATE;
-        let _ = crate::deadline::timeout(FAIL_WRITE_TIMEOUT, server.write_all(terminate)).await;
+        // Shutting the stream down sends TLS's close_notify after the Terminate.
+        let goodbye = async {
+            server.write_all(terminate).await?;
+            server.shutdown().await
+        };
+        let _ = crate::deadline::timeout(FAIL_WRITE_TIMEOUT, goodbye).await;
     }
 
     /// `DISCARD ALL` (PgBouncer's `server_reset_query`): drops what the session left
@@ -794,6 +808,7 @@ impl Session {
             .write_all(&out)
             .await
             .map_err(SessionError::ServerIo)?;
+        server.flush().await.map_err(SessionError::ServerIo)?;
         let mut buf = BytesMut::with_capacity(1024);
         loop {
             while let Some((tag, len)) =

@@ -31,8 +31,8 @@ pub(super) async fn tell_client(client: &mut Stream, e: SessionError) -> Result<
     Err(e)
 }
 
-pub(super) async fn connect_upstream(config: &Config) -> Result<Stream, String> {
-    let connect = Stream::connect(&config.upstream);
+pub(super) async fn connect_upstream(shared: &Shared, config: &Config) -> Result<Stream, String> {
+    let connect = Stream::connect(&config.upstream, shared.upstream_tls());
     match crate::deadline::timeout(config.limits.connect_timeout, connect).await {
         Ok(Ok(s)) => Ok(s),
         Ok(Err(e)) => Err(match config.upstream.socket_path() {
@@ -66,6 +66,7 @@ pub(super) async fn first_reply(
             .write_all(startup)
             .await
             .map_err(SessionError::ServerIo)?;
+        server.flush().await.map_err(SessionError::ServerIo)?;
         let (tag, len) = loop {
             if let Some(frame) =
                 next_frame(sbuf, SERVER_MAX_MESSAGE).map_err(SessionError::ServerFrame)?
@@ -94,7 +95,7 @@ pub(super) async fn first_reply(
         }
         crate::deadline::sleep(SLOTS_RETRY_EVERY).await;
         let _ = server.shutdown().await;
-        server = match connect_upstream(config).await {
+        server = match connect_upstream(shared, config).await {
             Ok(s) => s,
             // The refusal stands: the session relays it.
             Err(_) => return Ok(server),

@@ -1,0 +1,249 @@
+//! TLS from pgfence to the upstream server (`upstream.sslmode`, libpq's names; PgBouncer's
+//! `server_tls_sslmode`). The server is a test cluster with `ssl = on` and a certificate
+//! from a CA made per test.
+//!
+//! - [`server_connections_use_tls`]: `verify-full`, with the server refusing plain TCP
+//!   logins (`hostnossl ... reject`). `pgfence install` gets in; the backend sees TLS
+//!   (`pg_stat_ssl`); the fence works (a token accepted, a stale one rejected); a kept
+//!   connection serves the next client with its TLS state (same backend, still TLS); a
+//!   plain client's SCRAM login works, since `SCRAM-SHA-256-PLUS` is hidden and the client
+//!   does not ask for channel binding; a TLS client's default `channel_binding=prefer`
+//!   gets FATAL 28000 saying why and what to do, and `channel_binding=disable` logs in.
+//! - [`verification_and_fallback`]: `verify-full` refuses a CA that did not sign the
+//!   server's certificate and a certificate for another name; `verify-ca` accepts the
+//!   latter; `require` accepts any certificate but needs TLS; `prefer` falls back to plain
+//!   TCP on a server without TLS.
+
+use std::process::Command;
+use std::time::Duration;
+
+use harness::fence::{assert_rejected, stale};
+use harness::tls::TestCerts;
+use harness::{
+    connect_to, pg_bin_dir, run_command, try_connect_to, PgCluster, Proxy, APP_DB, SCRAM_PASSWORD,
+    SCRAM_USER, SUPERUSER,
+};
+use pgfence_config::{ClientSslMode, Config, UpstreamSslMode};
+
+const SSL_OF_BACKEND: &str = "SELECT ssl, version FROM pg_stat_ssl WHERE pid = pg_backend_pid()";
+
+fn upstream_tls(cluster: &PgCluster, mode: UpstreamSslMode, ca: Option<&TestCerts>) -> Config {
+    let mut config = Proxy::config_for(cluster);
+    config.upstream.sslmode = mode;
+    config.upstream.sslrootcert = ca.map(|c| c.ca_file.clone());
+    config
+}
+
+async fn backend_ssl(client: &tokio_postgres::Client) -> (bool, Option<String>) {
+    let row = client.query_one(SSL_OF_BACKEND, &[]).await.unwrap();
+    (row.get(0), row.get(1))
+}
+
+fn psql(port: u16, conn: &str, sql: &str) -> harness::Outcome {
+    let mut cmd = Command::new(pg_bin_dir().join("psql"));
+    cmd.args(["-X", "-At", "-v", "ON_ERROR_STOP=1", "-c", sql])
+        .arg(format!(
+            "host=127.0.0.1 port={port} connect_timeout=10 {conn}"
+        ));
+    for var in [
+        "PGSSLMODE",
+        "PGPASSWORD",
+        "PGCHANNELBINDING",
+        "PGOPTIONS",
+        "PSQLRC",
+    ] {
+        cmd.env_remove(var);
+    }
+    run_command(&mut cmd, None, Duration::from_secs(60))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_connections_use_tls() {
+    let cluster = PgCluster::start();
+    cluster.psql(
+        APP_DB,
+        "CREATE TABLE charges (amount int); GRANT ALL ON charges TO PUBLIC",
+    );
+    let server = TestCerts::new("server CA");
+    cluster.enable_ssl(&server.cert_file, &server.key_file);
+    // From here on, only TLS gets in over TCP.
+    cluster.refuse_plain_tcp();
+    let plain = try_connect_to(&cluster.connstr(APP_DB)).await.unwrap_err();
+    assert!(format!("{plain:?}").contains("no encryption"), "{plain:?}");
+    let proxy_certs = TestCerts::new("pgfence CA");
+    let mut config = upstream_tls(&cluster, UpstreamSslMode::VerifyFull, Some(&server));
+    // `pgfence install` connects as the proxy does.
+    pgfence::install::install(&config, APP_DB, SUPERUSER, None, None)
+        .await
+        .unwrap();
+    config.client_tls.sslmode = ClientSslMode::Allow;
+    config.client_tls.cert_file = Some(proxy_certs.cert_file.clone());
+    config.client_tls.key_file = Some(proxy_certs.key_file.clone());
+    config.admin.users = vec![SUPERUSER.into()];
+    let proxy = Proxy::start(config);
+
+    let token = |t: u32| {
+        format!(
+            "{} options='-c fencing.resource=billing -c fencing.token={t}'",
+            proxy.connstr(APP_DB)
+        )
+    };
+    let leader = connect_to(&token(34)).await;
+    let (ssl, version) = backend_ssl(&leader).await;
+    assert!(ssl, "the server connection uses TLS");
+    assert_eq!(version.as_deref(), Some("TLSv1.3"));
+    leader
+        .batch_execute("INSERT INTO charges VALUES (100)")
+        .await
+        .unwrap();
+    let deposed = connect_to(&token(33)).await;
+    let r = deposed
+        .batch_execute("INSERT INTO charges VALUES (100)")
+        .await;
+    assert_rejected(&r, &stale("billing", 33, 34), "token 33 after 34");
+    drop(deposed);
+
+    // The leader leaves; its TLS connection is kept and serves the next such client.
+    let pid: i32 = leader
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    drop(leader);
+    let console = connect_to(&proxy.connstr("pgfence")).await;
+    let start = std::time::Instant::now();
+    loop {
+        let rows = console.simple_query("SHOW SERVERS").await.unwrap();
+        let kept = rows
+            .iter()
+            .filter(|m| matches!(m, tokio_postgres::SimpleQueryMessage::Row(_)))
+            .count();
+        if kept >= 1 {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "nothing was kept"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let next = connect_to(&token(34)).await;
+    let again: i32 = next
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(again, pid, "the kept TLS connection is reused");
+    assert!(backend_ssl(&next).await.0);
+    next.batch_execute("INSERT INTO charges VALUES (100)")
+        .await
+        .unwrap();
+    assert_eq!(
+        cluster.psql(APP_DB, "SELECT count(*) FROM charges").trim(),
+        "2"
+    );
+
+    // SCRAM from a plain client: PLUS is hidden, the client does not bind, the login works.
+    let scram = connect_to(&proxy.connstr_as(APP_DB, SCRAM_USER, Some(SCRAM_PASSWORD))).await;
+    assert!(backend_ssl(&scram).await.0);
+
+    // SCRAM from a TLS client: libpq's default channel_binding=prefer would be refused by
+    // the server as a downgrade; pgfence says why first.
+    let scram_tls = format!(
+        "user={SCRAM_USER} password={SCRAM_PASSWORD} dbname={APP_DB} {}",
+        proxy_certs.verify_full()
+    );
+    let out = psql(proxy.port(), &scram_tls, "SELECT 1");
+    assert!(!out.success());
+    assert!(
+        out.stderr
+            .contains("SCRAM channel binding cannot pass through pgfence")
+            && out
+                .stderr
+                .contains("HINT:  Connect with channel_binding=disable"),
+        "{}",
+        out.stderr
+    );
+    let out = psql(
+        proxy.port(),
+        &format!("{scram_tls} channel_binding=disable"),
+        SSL_OF_BACKEND,
+    );
+    assert!(out.success(), "{}", out.stderr);
+    assert_eq!(out.stdout.trim(), "t|TLSv1.3");
+    drop((scram, console));
+    proxy.shutdown().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verification_and_fallback() {
+    let plain_cluster = PgCluster::start();
+    let cluster = PgCluster::start();
+    let server = TestCerts::new("server CA");
+    cluster.enable_ssl(&server.cert_file, &server.key_file);
+    let other = TestCerts::new("another CA");
+
+    // Whoever signed it, verify-full wants our CA.
+    let proxy = Proxy::start(upstream_tls(
+        &cluster,
+        UpstreamSslMode::VerifyFull,
+        Some(&other),
+    ));
+    let err = try_connect_to(&proxy.connstr(APP_DB)).await.unwrap_err();
+    let text = format!("{err:?}");
+    assert!(
+        text.contains("08006") && text.contains("certificate"),
+        "{text}"
+    );
+    proxy.shutdown().unwrap();
+
+    // A certificate from our CA for another name: verify-full refuses, verify-ca accepts.
+    let mut renamed = PgCluster::start();
+    let elsewhere = TestCerts::for_names("server CA 2", &["db.elsewhere.example"]);
+    renamed.enable_ssl(&elsewhere.cert_file, &elsewhere.key_file);
+    let proxy = Proxy::start(upstream_tls(
+        &renamed,
+        UpstreamSslMode::VerifyFull,
+        Some(&elsewhere),
+    ));
+    let err = try_connect_to(&proxy.connstr(APP_DB)).await.unwrap_err();
+    assert!(
+        format!("{err:?}").contains("certificate not valid for name"),
+        "{err:?}"
+    );
+    proxy.shutdown().unwrap();
+    let proxy = Proxy::start(upstream_tls(
+        &renamed,
+        UpstreamSslMode::VerifyCa,
+        Some(&elsewhere),
+    ));
+    let client = connect_to(&proxy.connstr(APP_DB)).await;
+    assert!(backend_ssl(&client).await.0);
+    drop(client);
+    proxy.shutdown().unwrap();
+    renamed.stop_server();
+
+    // require: any certificate, but TLS or nothing.
+    let proxy = Proxy::start(upstream_tls(&cluster, UpstreamSslMode::Require, None));
+    let client = connect_to(&proxy.connstr(APP_DB)).await;
+    assert!(backend_ssl(&client).await.0);
+    drop(client);
+    proxy.shutdown().unwrap();
+    let proxy = Proxy::start(upstream_tls(&plain_cluster, UpstreamSslMode::Require, None));
+    let err = try_connect_to(&proxy.connstr(APP_DB)).await.unwrap_err();
+    assert!(
+        format!("{err:?}")
+            .contains("the server does not support TLS, and upstream.sslmode = require"),
+        "{err:?}"
+    );
+    proxy.shutdown().unwrap();
+
+    // prefer: TLS where offered, plain TCP where not.
+    for (target, tls) in [(&cluster, true), (&plain_cluster, false)] {
+        let proxy = Proxy::start(upstream_tls(target, UpstreamSslMode::Prefer, None));
+        let client = connect_to(&proxy.connstr(APP_DB)).await;
+        assert_eq!(backend_ssl(&client).await.0, tls);
+        drop(client);
+        proxy.shutdown().unwrap();
+    }
+}
