@@ -9,6 +9,9 @@
 //!   plain client's SCRAM login works, since `SCRAM-SHA-256-PLUS` is hidden and the client
 //!   does not ask for channel binding; a TLS client's default `channel_binding=prefer`
 //!   gets FATAL 28000 saying why and what to do, and `channel_binding=disable` logs in.
+//!   Every server connection ends with TLS's close_notify: the server logs no connection
+//!   cut short, neither for the refused login nor for the sessions open or kept at
+//!   shutdown.
 //! - [`verification_and_fallback`]: `verify-full` refuses a CA that did not sign the
 //!   server's certificate and a certificate for another name; `verify-ca` accepts the
 //!   latter; `require` accepts any certificate but needs TLS; `prefer` falls back to plain
@@ -173,6 +176,33 @@ async fn server_connections_use_tls() {
     assert_eq!(out.stdout.trim(), "t|TLSv1.3");
     drop((scram, console));
     proxy.shutdown().unwrap();
+    // Kept connections were closed with Terminate and TLS's close_notify: their backends
+    // ended without the errors PostgreSQL logs for a TLS peer that just goes away.
+    let watcher = cluster.psql(
+        APP_DB,
+        "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()",
+    );
+    let start = std::time::Instant::now();
+    let mut left = watcher;
+    while left.trim() != "0" {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "backends left: {left}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+        left = cluster.psql(
+            APP_DB,
+            "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()",
+        );
+    }
+    let log = cluster.server_log();
+    for sign in [
+        "SSL error",
+        "could not receive data from client",
+        "unexpected EOF",
+    ] {
+        assert!(!log.contains(sign), "{sign:?} in the server log:\n{log}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -376,6 +376,10 @@ async fn run_session(
     session.finish();
     if result.is_ok() {
         session.release(server, born, pool_key).await;
+    } else {
+        // Closed, not dropped: over TLS the server then sees close_notify, a clean end,
+        // rather than a connection cut (which PostgreSQL logs as a reset).
+        let _ = crate::deadline::timeout(FAIL_WRITE_TIMEOUT, server.shutdown()).await;
     }
     let server_side = matches!(&result, Err(e) if matches!(e.side(), crate::error::Side::Server));
     match session.server_fatal {
