@@ -128,17 +128,33 @@ impl Stream {
         }
     }
 
-    /// Answers a client's SSLRequest with `S` and runs the TLS handshake. Only a plain TCP
-    /// connection can start TLS.
-    pub async fn accept_tls(self, config: Arc<rustls::ServerConfig>) -> io::Result<Stream> {
+    /// Answers a client's SSLRequest with `S` and runs the TLS handshake; or, given the
+    /// `hello` a client opened with (PostgreSQL 17's direct negotiation), runs it from
+    /// there, and then requires the ALPN protocol `postgresql` as PostgreSQL does. Only a
+    /// plain TCP connection can start TLS.
+    pub async fn accept_tls(
+        self,
+        config: Arc<rustls::ServerConfig>,
+        hello: Option<bytes::Bytes>,
+    ) -> io::Result<Stream> {
         let Stream::Tcp(mut io) = self else {
             return Err(io::Error::new(
                 io::ErrorKind::Unsupported,
                 "TLS is only offered on TCP connections",
             ));
         };
-        tokio::io::AsyncWriteExt::write_all(&mut io, b"S").await?;
-        Ok(Stream::Tls(Box::new(TlsStream::accept(io, config).await?)))
+        if hello.is_none() {
+            tokio::io::AsyncWriteExt::write_all(&mut io, b"S").await?;
+        }
+        let direct = hello.is_some();
+        let tls = TlsStream::accept(io, config, hello.as_deref().unwrap_or_default()).await?;
+        if direct && !tls.alpn_is_postgresql() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "direct TLS without the ALPN protocol \"postgresql\"",
+            ));
+        }
+        Ok(Stream::Tls(Box::new(tls)))
     }
 
     /// The TLS protocol and cipher suite, for a TLS connection.

@@ -280,12 +280,23 @@ fn tls_error(e: rustls::Error) -> io::Error {
 }
 
 impl TlsStream {
-    /// Runs the server side of a handshake on `io` (the client has been answered `S`).
-    pub async fn accept(io: TcpStream, config: Arc<rustls::ServerConfig>) -> io::Result<Self> {
-        let conn = rustls::ServerConnection::new(config).map_err(tls_error)?;
+    /// Runs the server side of a handshake on `io` (the client has been answered `S`, or
+    /// opened with TLS: `read` is what was already read of it).
+    pub async fn accept(
+        io: TcpStream,
+        config: Arc<rustls::ServerConfig>,
+        mut read: &[u8],
+    ) -> io::Result<Self> {
+        let mut conn: rustls::Connection = rustls::ServerConnection::new(config)
+            .map_err(tls_error)?
+            .into();
+        while !read.is_empty() {
+            conn.read_tls(&mut read)?;
+            conn.process_new_packets().map_err(tls_error)?;
+        }
         let tls = TlsStream {
             io,
-            conn: Mutex::new(conn.into()),
+            conn: Mutex::new(conn),
         };
         std::future::poll_fn(|cx| handshake(&tls.io, &tls.conn, cx)).await?;
         Ok(tls)
@@ -308,6 +319,11 @@ impl TlsStream {
         };
         std::future::poll_fn(|cx| handshake(&tls.io, &tls.conn, cx)).await?;
         Ok(tls)
+    }
+
+    /// The peers agreed on the ALPN protocol `postgresql`.
+    pub fn alpn_is_postgresql(&self) -> bool {
+        lock(&self.conn).alpn_protocol() == Some(ALPN_POSTGRESQL)
     }
 
     /// The protocol version and cipher suite, as `SHOW CLIENTS` shows them.
@@ -555,7 +571,10 @@ mod tests {
             client(rustls::StreamOwned::new(conn, tcp));
         });
         let (tcp, _) = listener.accept().await.unwrap();
-        let stream = Stream::Tcp(tcp).accept_tls(server_config).await.unwrap();
+        let stream = Stream::Tcp(tcp)
+            .accept_tls(server_config, None)
+            .await
+            .unwrap();
         (stream, thread)
     }
 

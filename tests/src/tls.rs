@@ -102,15 +102,37 @@ impl TestCerts {
         tcp.read_exact(&mut answer)
             .expect("an answer to SSLRequest");
         assert_eq!(answer[0], b'S', "pgfence accepts the SSLRequest");
-        let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
-        let conn = rustls::ClientConnection::new(self.client_config(), name).unwrap();
-        let mut tls = rustls::StreamOwned::new(conn, tcp);
-        tls.flush().expect("TLS handshake");
-        while tls.conn.is_handshaking() {
-            tls.conn
-                .complete_io(&mut tls.sock)
-                .expect("TLS handshake with pgfence");
+        self.handshake(tcp, self.client_config())
+            .expect("TLS handshake with pgfence")
+    }
+
+    /// Connects to `addr` and opens with a TLS ClientHello (PostgreSQL 17's
+    /// `sslnegotiation=direct`), offering the ALPN protocol `postgresql` when `alpn`.
+    pub fn connect_direct(
+        &self,
+        addr: std::net::SocketAddr,
+        alpn: bool,
+    ) -> std::io::Result<rustls::StreamOwned<rustls::ClientConnection, TcpStream>> {
+        let tcp = TcpStream::connect(addr).expect("connect to pgfence");
+        tcp.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut config = (*self.client_config()).clone();
+        if alpn {
+            config.alpn_protocols = vec![b"postgresql".to_vec()];
         }
-        tls
+        self.handshake(tcp, Arc::new(config))
+    }
+
+    fn handshake(
+        &self,
+        tcp: TcpStream,
+        config: Arc<rustls::ClientConfig>,
+    ) -> std::io::Result<rustls::StreamOwned<rustls::ClientConnection, TcpStream>> {
+        let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+        let conn = rustls::ClientConnection::new(config, name).unwrap();
+        let mut tls = rustls::StreamOwned::new(conn, tcp);
+        while tls.conn.is_handshaking() {
+            tls.conn.complete_io(&mut tls.sock)?;
+        }
+        Ok(tls)
     }
 }

@@ -18,6 +18,10 @@
 //!   packet gets `N` and FATAL 08P01; a second SSLRequest inside TLS gets FATAL 08P01;
 //!   garbage instead of a TLS ClientHello and a client that closes mid-handshake close
 //!   only their own connection, and pgfence keeps serving.
+//! - [`direct_tls_negotiation`]: a client that opens with a TLS ClientHello (PostgreSQL 17's
+//!   `sslnegotiation=direct`) and offers ALPN `postgresql` gets a session; one without
+//!   ALPN is closed after the handshake, as PostgreSQL closes it; with TLS off the
+//!   ClientHello is an invalid startup packet (FATAL 08P01).
 //! - [`psycopg_over_tls`]: the psycopg scripts (extended protocol, pipelining, COPY,
 //!   notifications, cancel, SCRAM login) through pgfence with `sslmode=require` and clients
 //!   on `verify-full`.
@@ -420,6 +424,42 @@ fn bad_tls_input_is_refused() {
         "4"
     );
     proxy.shutdown().unwrap();
+}
+
+#[test]
+fn direct_tls_negotiation() {
+    let cluster = PgCluster::start();
+    let certs = TestCerts::new("pgfence test CA");
+    let proxy = Proxy::start(tls_config(&cluster, &certs, ClientSslMode::Allow));
+    let mut tls = certs
+        .connect_direct(proxy.addr(), true)
+        .expect("direct TLS");
+    assert_eq!(tls.conn.alpn_protocol(), Some(&b"postgresql"[..]));
+    tls.write_all(&wire::startup(SUPERUSER, APP_DB)).unwrap();
+    let login = read_until_ready(&mut tls);
+    assert_eq!(login.last().and_then(Msg::ready_status), Some(b'I'));
+    tls.write_all(&wire::query("SELECT 'direct'")).unwrap();
+    let reply = read_until_ready(&mut tls);
+    let row = reply.iter().find_map(Msg::data_row).expect("a row");
+    assert_eq!(row, vec![Some(b"direct".to_vec())]);
+    tls.write_all(&wire::terminate()).unwrap();
+
+    // Without ALPN: the handshake may finish, the session does not start.
+    if let Ok(mut tls) = certs.connect_direct(proxy.addr(), false) {
+        let _ = tls.write_all(&wire::startup(SUPERUSER, APP_DB));
+        let got = read_to_close(&mut tls);
+        assert!(got.is_empty(), "{got:?}");
+    }
+    proxy.shutdown().unwrap();
+
+    // TLS off: a ClientHello is no startup packet.
+    let plain = Proxy::for_cluster(&cluster);
+    let mut raw = wire::RawConn::connect(plain.addr());
+    raw.send(&[0x16, 0x03, 0x01, 0x00, 0x05, 0x01, 0x00, 0x00, 0x01, 0x00]);
+    let refused = raw.until_closed();
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    wire::assert_error(&refused[0], "FATAL", "08P01");
+    plain.shutdown().unwrap();
 }
 
 #[test]

@@ -252,12 +252,14 @@ async fn run_session(
             },
             _ = stop.drain.cancelled() => Err(SessionError::Shutdown),
         };
-        let (Ok(Opening::Tls), Some(tls_config)) = (&opening, &tls_config) else {
+        let (Ok(Opening::Tls { direct }), Some(tls_config)) = (&opening, &tls_config) else {
             break opening;
         };
+        // Direct: the ClientHello read so far goes to the handshake.
+        let hello = direct.then(|| cbuf.split().freeze());
         let left = startup_until.saturating_duration_since(Instant::now());
         let handshake = tokio::select! {
-            r = crate::deadline::timeout(left, client.accept_tls(tls_config.clone())) => r,
+            r = crate::deadline::timeout(left, client.accept_tls(tls_config.clone(), hello)) => r,
             _ = stop.drain.cancelled() => return Err(SessionError::Shutdown),
         };
         // A client that fails its handshake cannot read a plaintext error: it is closed.
@@ -272,7 +274,7 @@ async fn run_session(
     let (startup, packet_len) = match startup {
         Ok(Opening::Startup(s, n)) => (s, n),
         // `Tls` only comes when offered, and the loop above answered it.
-        Ok(Opening::Closed | Opening::Tls) => return Ok(()),
+        Ok(Opening::Closed | Opening::Tls { .. }) => return Ok(()),
         Ok(Opening::Cancel { pid, key }) => {
             match shared.cancel.lookup(pid, key) {
                 Some(target) => {

@@ -104,6 +104,9 @@ pub(super) async fn first_reply(
     }
 }
 
+/// The content type of a TLS handshake record, the first byte a TLS client sends.
+const TLS_HANDSHAKE_RECORD: u8 = 0x16;
+
 /// How a connection opened.
 pub(super) enum Opening {
     Startup(Startup, usize),
@@ -111,19 +114,29 @@ pub(super) enum Opening {
         pid: i32,
         key: i32,
     },
-    /// The client asked for TLS, which pgfence offers: answer `S` and run the handshake.
-    Tls,
+    /// The client asked for TLS, which pgfence offers: answer `S` and run the handshake;
+    /// or (`direct`, PostgreSQL 17's `sslnegotiation=direct`) it opened with a TLS
+    /// ClientHello, which the handshake reads from the buffer first.
+    Tls {
+        direct: bool,
+    },
     Closed,
 }
 
-/// Reads startup packets until a StartupMessage or a CancelRequest, or an SSLRequest that
-/// pgfence accepts (`offer_tls`); other encryption requests are declined (`N`) on the way.
+/// Reads startup packets until a StartupMessage or a CancelRequest, or an SSLRequest or a
+/// TLS ClientHello when pgfence offers TLS (`offer_tls`); other encryption requests are
+/// declined (`N`) on the way.
 pub(super) async fn read_startup(
     client: &mut Stream,
     buf: &mut BytesMut,
     offer_tls: bool,
 ) -> Result<Opening, SessionError> {
     loop {
+        // A TLS handshake record where a startup packet's length belongs (its first byte
+        // would make a length of at least 369 MB).
+        if offer_tls && buf.first() == Some(&TLS_HANDSHAKE_RECORD) {
+            return Ok(Opening::Tls { direct: true });
+        }
         match next_startup(buf)? {
             Some((request @ (StartupPacket::SslRequest | StartupPacket::GssEncRequest), n)) => {
                 buf.advance(n);
@@ -138,7 +151,7 @@ pub(super) async fn read_startup(
                     return Err(SessionError::EncryptionTwice);
                 }
                 if offer_tls && matches!(request, StartupPacket::SslRequest) {
-                    return Ok(Opening::Tls);
+                    return Ok(Opening::Tls { direct: false });
                 }
                 client
                     .write_all(b"N")
