@@ -25,8 +25,9 @@
 //! - [`psycopg_over_tls`]: the psycopg scripts (extended protocol, pipelining, COPY,
 //!   notifications, cancel, SCRAM login) through pgfence with `sslmode=require` and clients
 //!   on `verify-full`.
-//! - [`reload_swaps_the_certificate`]: RELOAD with a certificate from another CA serves it to
-//!   new clients; a key file that does not go with the certificate fails the reload and the
+//! - [`reload_swaps_the_certificate`]: a client that does not trust the certificate shows
+//!   in pgfence's log (INFO, TLS handshake failed); RELOAD with a certificate from another CA
+//!   serves it to new clients; a key file that does not go with the certificate fails the reload and the
 //!   previous certificate stays in force.
 
 use std::io::{Read, Write};
@@ -523,6 +524,8 @@ fn reload_swaps_the_certificate() {
     let port = proxy.port();
     psql_ok(port, &first.verify_full(), "SELECT 1");
     assert!(!psql(port, &second.verify_full(), "SELECT 1").success());
+    // The client's refusal of the certificate shows in pgfence's log.
+    harness::operating::wait_for_log(&proxy, 0, "TLS handshake with the client failed");
 
     std::fs::copy(&second.cert_file, &cert).unwrap();
     std::fs::copy(&second.key_file, &key).unwrap();

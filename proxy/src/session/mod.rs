@@ -265,7 +265,11 @@ async fn run_session(
         // A client that fails its handshake cannot read a plaintext error: it is closed.
         client = match handshake {
             Ok(Ok(s)) => s,
-            Ok(Err(e)) => return Err(SessionError::TlsHandshake(e)),
+            Ok(Err(e)) => {
+                // Worth a line: a certificate the client does not trust fails here.
+                info!(client = %peer, error = %e, "TLS handshake with the client failed");
+                return Err(SessionError::TlsHandshake(e));
+            }
             Err(_) => return Err(SessionError::StartupTimeout(config.limits.startup_timeout)),
         };
         tls = client.tls();
