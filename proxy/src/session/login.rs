@@ -10,6 +10,12 @@ use crate::state::ClientInfo;
 
 use super::{Flow, Phase, Session};
 
+/// The authentication request codes pgfence looks at: AuthenticationOk and
+/// AuthenticationSASL (the list of SASL mechanisms).
+const AUTH_OK: [u8; 4] = 0i32.to_be_bytes();
+const AUTH_SASL: [u8; 4] = 10i32.to_be_bytes();
+
+/// The SASL mechanism with channel binding, which a proxy cannot pass through.
 const SCRAM_PLUS: &[u8] = b"SCRAM-SHA-256-PLUS";
 
 /// A SASLInitialResponse for SCRAM-SHA-256 whose GS2 header says `y`: the client supports
@@ -100,10 +106,10 @@ impl Session {
                 let body = crate::protocol::message::body(frame);
                 // Anything but AuthenticationOk asked the client for credentials: such a
                 // connection is never handed to another client.
-                if body.get(..4) != Some(&[0, 0, 0, 0]) {
+                if body.get(..4) != Some(&AUTH_OK) {
                     self.reusable_login = false;
                 }
-                if self.upstream_tls && body.get(..4) == Some(&[0, 0, 0, 10]) {
+                if self.upstream_tls && body.get(..4) == Some(&AUTH_SASL) {
                     // AuthenticationSASL over TLS to the server: SCRAM-SHA-256-PLUS would
                     // bind the login to the server's TLS connection, which the client does
                     // not see.
@@ -112,7 +118,7 @@ impl Session {
                         .split(|&b| b == 0)
                         .filter(|m| !m.is_empty() && *m != SCRAM_PLUS);
                     crate::protocol::message::write_message(&mut self.to_client, b'R', |o| {
-                        o.extend_from_slice(&10i32.to_be_bytes());
+                        o.extend_from_slice(&AUTH_SASL);
                         for mechanism in kept {
                             crate::protocol::message::put_cstr(o, mechanism);
                         }
@@ -171,5 +177,35 @@ impl Session {
             }
             _ => Err(SessionError::UnexpectedClientMessage(tag as char)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::asks_for_channel_binding;
+
+    fn initial_response(mechanism: &str, data: &[u8]) -> Vec<u8> {
+        let mut body = mechanism.as_bytes().to_vec();
+        body.push(0);
+        body.extend_from_slice(&(data.len() as i32).to_be_bytes());
+        body.extend_from_slice(data);
+        let mut frame = vec![b'p'];
+        frame.extend_from_slice(&(body.len() as i32 + 4).to_be_bytes());
+        frame.extend_from_slice(&body);
+        frame
+    }
+
+    #[test]
+    fn only_scram_with_the_y_flag_asks_for_channel_binding() {
+        let y = initial_response("SCRAM-SHA-256", b"y,,n=,r=abc");
+        assert!(asks_for_channel_binding(&y));
+        let n = initial_response("SCRAM-SHA-256", b"n,,n=,r=abc");
+        assert!(!asks_for_channel_binding(&n));
+        let plus = initial_response("SCRAM-SHA-256-PLUS", b"p=tls-server-end-point,,n=,r=x");
+        assert!(!asks_for_channel_binding(&plus));
+        // Truncated or malformed frames are not a request (the server judges them).
+        assert!(!asks_for_channel_binding(&y[..y.len() - 10]));
+        assert!(!asks_for_channel_binding(b"p\0\0\0\x08abcd"));
+        assert!(!asks_for_channel_binding(b"p"));
     }
 }
