@@ -204,6 +204,7 @@ pub fn answer(shared: &Shared, sql: &[u8], out: &mut BytesMut) -> Answer {
                         s.info.application_name,
                         s.idle_for.as_secs().to_string(),
                         s.age.as_secs().to_string(),
+                        s.info.tls.unwrap_or_default(),
                     ]
                 })
                 .collect();
@@ -216,6 +217,7 @@ pub fn answer(shared: &Shared, sql: &[u8], out: &mut BytesMut) -> Answer {
                     "application_name",
                     "idle_seconds",
                     "age_seconds",
+                    "tls",
                 ],
                 &rows,
                 "SHOW",

@@ -58,6 +58,8 @@ pub struct ServerInfo {
     pub database: String,
     pub application_name: String,
     pub backend_pid: i32,
+    /// TLS protocol and cipher suite of the connection to the server, if it uses TLS.
+    pub tls: Option<String>,
 }
 
 /// A kept connection as `SHOW SERVERS` lists it.

@@ -5,8 +5,8 @@
 //! - [`server_connections_use_tls`]: `verify-full`, with the server refusing plain TCP
 //!   logins (`hostnossl ... reject`). `pgfence install` gets in; the backend sees TLS
 //!   (`pg_stat_ssl`); the fence works (a token accepted, a stale one rejected); a kept
-//!   connection serves the next client with its TLS state (same backend, still TLS); a
-//!   plain client's SCRAM login works, since `SCRAM-SHA-256-PLUS` is hidden and the client
+//!   connection (`SHOW SERVERS` shows its TLS version) serves the next client with its TLS
+//!   state (same backend, still TLS); a plain client's SCRAM login works, since `SCRAM-SHA-256-PLUS` is hidden and the client
 //!   does not ask for channel binding; a TLS client's default `channel_binding=prefer`
 //!   gets FATAL 28000 saying why and what to do, and `channel_binding=disable` logs in.
 //!   Every server connection ends with TLS's close_notify: the server logs no connection
@@ -117,11 +117,15 @@ async fn server_connections_use_tls() {
     let start = std::time::Instant::now();
     loop {
         let rows = console.simple_query("SHOW SERVERS").await.unwrap();
-        let kept = rows
+        let kept: Vec<_> = rows
             .iter()
-            .filter(|m| matches!(m, tokio_postgres::SimpleQueryMessage::Row(_)))
-            .count();
-        if kept >= 1 {
+            .filter_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(r) => r.get("tls").map(str::to_string),
+                _ => None,
+            })
+            .collect();
+        if !kept.is_empty() {
+            assert!(kept.iter().all(|t| t.starts_with("TLSv1_3/")), "{kept:?}");
             break;
         }
         assert!(

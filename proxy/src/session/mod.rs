@@ -778,6 +778,7 @@ impl Session {
         if let Some(key) = key.filter(|_| self.poolable()) {
             match crate::deadline::timeout(RESET_TIMEOUT, self.reset(&mut server)).await {
                 Ok(Ok(())) => {
+                    let tls = server.tls();
                     if let Ok(stream) = server.into_std() {
                         let login = std::mem::take(&mut self.login);
                         let info = ServerInfo {
@@ -785,6 +786,7 @@ impl Session {
                             database: self.database.clone(),
                             application_name: self.application_name.clone(),
                             backend_pid: self.backend_pid,
+                            tls,
                         };
                         let config = self.shared.config();
                         self.shared.pool.put(
