@@ -72,6 +72,12 @@ pub struct Upstream {
     /// PEM file with the certificate authorities that sign the server's certificate, for
     /// `verify-ca` and `verify-full` (libpq's `sslrootcert`). Default: none.
     pub sslrootcert: Option<std::path::PathBuf>,
+    /// PEM file with the certificate pgfence presents to the server when it asks for one
+    /// (libpq's `sslcert`; `clientcert=verify-ca` or `cert` in `pg_hba.conf`). The same
+    /// certificate serves every session. Default: none.
+    pub sslcert: Option<std::path::PathBuf>,
+    /// PEM file with that certificate's private key (libpq's `sslkey`).
+    pub sslkey: Option<std::path::PathBuf>,
 }
 
 impl Default for Upstream {
@@ -81,6 +87,8 @@ impl Default for Upstream {
             port: 5432,
             sslmode: UpstreamSslMode::Disable,
             sslrootcert: None,
+            sslcert: None,
+            sslkey: None,
         }
     }
 }
@@ -458,6 +466,8 @@ pub struct Overrides {
     pub upstream: Option<Upstream>,
     pub upstream_sslmode: Option<UpstreamSslMode>,
     pub upstream_sslrootcert: Option<std::path::PathBuf>,
+    pub upstream_sslcert: Option<std::path::PathBuf>,
+    pub upstream_sslkey: Option<std::path::PathBuf>,
     pub log_format: Option<LogFormat>,
     pub metrics_addr: Option<SocketAddr>,
     pub max_message_size: Option<u32>,
@@ -486,6 +496,12 @@ impl Overrides {
         }
         if let Some(path) = &self.upstream_sslrootcert {
             config.upstream.sslrootcert = Some(path.clone());
+        }
+        if let Some(path) = &self.upstream_sslcert {
+            config.upstream.sslcert = Some(path.clone());
+        }
+        if let Some(path) = &self.upstream_sslkey {
+            config.upstream.sslkey = Some(path.clone());
         }
         if let Some(format) = self.log_format {
             config.telemetry.log_format = format;
@@ -653,6 +669,17 @@ impl Config {
                  certificate authorities that sign the server's certificate)",
                 self.upstream.sslmode
             ));
+        }
+        if self.upstream.sslcert.is_some() != self.upstream.sslkey.is_some() {
+            return invalid(
+                "upstream.sslcert and upstream.sslkey go together: set both or neither".into(),
+            );
+        }
+        if self.upstream.sslcert.is_some() && self.upstream.sslmode == UpstreamSslMode::Disable {
+            return invalid(
+                "upstream.sslcert is set but upstream.sslmode = disable: the certificate would never be sent"
+                    .into(),
+            );
         }
         if self.client_tls.sslmode != ClientSslMode::Disable {
             let mode = self.client_tls.sslmode;

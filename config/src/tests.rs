@@ -188,4 +188,13 @@ fn upstream_tls_modes_and_overrides() {
         Ok(UpstreamSslMode::VerifyCa)
     );
     assert!("allow".parse::<UpstreamSslMode>().is_err());
+    let config: Config = toml::from_str(
+        "[upstream]\nsslmode = \"require\"\nsslcert = \"/c.pem\"\nsslkey = \"/k.pem\"\n",
+    )
+    .unwrap();
+    config.validate().unwrap();
+    let config: Config =
+        toml::from_str("[upstream]\nsslcert = \"/c.pem\"\nsslkey = \"/k.pem\"\n").unwrap();
+    let err = config.validate().unwrap_err().to_string();
+    assert!(err.contains("would never be sent"), "{err}");
 }

@@ -61,6 +61,23 @@ struct Cli {
         global = true
     )]
     upstream_sslrootcert: Option<PathBuf>,
+    /// PEM file with the certificate pgfence presents to the server when it asks for one
+    /// (libpq's sslcert) [default: none].
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "PGFENCE_UPSTREAM_SSLCERT",
+        global = true
+    )]
+    upstream_sslcert: Option<PathBuf>,
+    /// PEM file with that certificate's private key (libpq's sslkey).
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "PGFENCE_UPSTREAM_SSLKEY",
+        global = true
+    )]
+    upstream_sslkey: Option<PathBuf>,
     /// Log format: text or json [default: text]. Filter with RUST_LOG (default: info).
     #[arg(long, env = "PGFENCE_LOG_FORMAT", value_parser = parse_log_format, global = true)]
     log_format: Option<LogFormat>,
@@ -144,6 +161,8 @@ fn source(cli: &Cli) -> Result<Source, String> {
             upstream,
             upstream_sslmode: cli.upstream_sslmode,
             upstream_sslrootcert: cli.upstream_sslrootcert.clone(),
+            upstream_sslcert: cli.upstream_sslcert.clone(),
+            upstream_sslkey: cli.upstream_sslkey.clone(),
             log_format: cli.log_format,
             metrics_addr: cli.metrics_addr,
             max_message_size: cli.max_message_size,

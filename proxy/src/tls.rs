@@ -31,26 +31,12 @@ pub fn acceptor(tls: &ClientTls) -> Result<Option<Arc<rustls::ServerConfig>>, St
     let (Some(cert_file), Some(key_file)) = (&tls.cert_file, &tls.key_file) else {
         return Err("client_tls needs cert_file and key_file".into());
     };
-    let certs = CertificateDer::pem_file_iter(cert_file)
-        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-        .map_err(|e| {
-            format!(
-                "client_tls.cert_file {}: cannot read a PEM certificate: {e}",
-                cert_file.display()
-            )
-        })?;
-    if certs.is_empty() {
-        return Err(format!(
-            "client_tls.cert_file {}: no certificate in the file (expected -----BEGIN CERTIFICATE-----)",
-            cert_file.display()
-        ));
-    }
-    let key = PrivateKeyDer::from_pem_file(key_file).map_err(|e| {
-        format!(
-            "client_tls.key_file {}: cannot read a PEM private key: {e}",
-            key_file.display()
-        )
-    })?;
+    let (certs, key) = read_identity(
+        cert_file,
+        key_file,
+        "client_tls.cert_file",
+        "client_tls.key_file",
+    )?;
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut config = rustls::ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
@@ -86,7 +72,7 @@ pub fn connector(upstream: &Upstream) -> Result<Option<Arc<rustls::ClientConfig>
     let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
         .map_err(|e| format!("upstream TLS: {e}"))?;
-    let config = match (&upstream.sslrootcert, mode) {
+    let builder = match (&upstream.sslrootcert, mode) {
         (Some(path), UpstreamSslMode::VerifyCa | UpstreamSslMode::VerifyFull) => {
             let mut roots = rustls::RootCertStore::empty();
             let certs = CertificateDer::pem_file_iter(path)
@@ -119,7 +105,6 @@ pub fn connector(upstream: &Upstream) -> Result<Option<Arc<rustls::ClientConfig>
             builder
                 .dangerous()
                 .with_custom_certificate_verifier(verifier)
-                .with_no_client_auth()
         }
         (None, UpstreamSslMode::VerifyCa | UpstreamSslMode::VerifyFull) => {
             return Err(format!(
@@ -128,8 +113,21 @@ pub fn connector(upstream: &Upstream) -> Result<Option<Arc<rustls::ClientConfig>
         }
         _ => builder
             .dangerous()
-            .with_custom_certificate_verifier(Arc::new(AnyCertificate(provider)))
-            .with_no_client_auth(),
+            .with_custom_certificate_verifier(Arc::new(AnyCertificate(provider))),
+    };
+    let config = match (&upstream.sslcert, &upstream.sslkey) {
+        (Some(cert_file), Some(key_file)) => {
+            let (certs, key) =
+                read_identity(cert_file, key_file, "upstream.sslcert", "upstream.sslkey")?;
+            builder.with_client_auth_cert(certs, key).map_err(|e| {
+                format!(
+                    "upstream: the key in {} does not go with the certificate in {}: {e}",
+                    key_file.display(),
+                    cert_file.display()
+                )
+            })?
+        }
+        _ => builder.with_no_client_auth(),
     };
     Ok(Some(Arc::new(config)))
 }
@@ -231,6 +229,36 @@ impl rustls::client::danger::ServerCertVerifier for AnyCertificate {
     fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
         self.0.signature_verification_algorithms.supported_schemes()
     }
+}
+
+/// A certificate chain and its key from PEM files; errors name the setting and the file.
+fn read_identity(
+    cert_file: &std::path::Path,
+    key_file: &std::path::Path,
+    cert_setting: &str,
+    key_setting: &str,
+) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), String> {
+    let certs = CertificateDer::pem_file_iter(cert_file)
+        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| {
+            format!(
+                "{cert_setting} {}: cannot read a PEM certificate: {e}",
+                cert_file.display()
+            )
+        })?;
+    if certs.is_empty() {
+        return Err(format!(
+            "{cert_setting} {}: no certificate in the file (expected -----BEGIN CERTIFICATE-----)",
+            cert_file.display()
+        ));
+    }
+    let key = PrivateKeyDer::from_pem_file(key_file).map_err(|e| {
+        format!(
+            "{key_setting} {}: cannot read a PEM private key: {e}",
+            key_file.display()
+        )
+    })?;
+    Ok((certs, key))
 }
 
 /// A TLS connection over TCP: the socket and rustls' state. The forwarding loop polls the

@@ -303,6 +303,29 @@ impl PgCluster {
         std::thread::sleep(Duration::from_millis(200));
     }
 
+    /// Requires a client certificate signed by a CA of `ca_file` from TLS logins over TCP to
+    /// the database `app` (`hostssl app ... trust clientcert=verify-ca` before the harness's
+    /// own lines), and reloads. Call after [`PgCluster::enable_ssl`]; [`PgCluster::psql`]
+    /// still works on the other databases.
+    pub fn require_client_certs(&self, ca_file: &Path) {
+        let copy = self.data_dir().join("root.crt");
+        fs::copy(ca_file, &copy).expect("copy the client CA");
+        if let Some(o) = self.owner {
+            chown(&copy, Some(o.uid.as_raw()), Some(o.gid.as_raw()))
+                .unwrap_or_else(|e| panic!("chown {} to postgres: {e}", copy.display()));
+        }
+        self.append_settings([("ssl_ca_file".to_string(), "'root.crt'".to_string())]);
+        let hba = self.data_dir().join("pg_hba.conf");
+        let lines = fs::read_to_string(&hba).expect("read pg_hba.conf");
+        fs::write(
+            &hba,
+            format!("hostssl {APP_DB} all 127.0.0.1/32 trust clientcert=verify-ca\n{lines}"),
+        )
+        .expect("write pg_hba.conf");
+        self.psql("postgres", "SELECT pg_reload_conf()");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+
     /// Stops the server (`-m fast`), keeping its data; [`PgCluster::start_server`] starts it
     /// again on the same port. For tests of an upstream that goes away.
     pub fn stop_server(&mut self) {

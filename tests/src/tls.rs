@@ -1,5 +1,5 @@
-//! Certificates for the TLS tests, made fresh by each test: a CA and a certificate it
-//! signed for `localhost` and `127.0.0.1`, as PEM files in a temporary directory (removed on
+//! Certificates for the TLS tests, made fresh by each test: a CA, a certificate it signed
+//! for `localhost` and `127.0.0.1` and a client certificate for `postgres`, as PEM files in a temporary directory (removed on
 //! drop), and a blocking TLS client for byte-exact tests.
 
 use std::io::{Read, Write};
@@ -19,6 +19,10 @@ pub struct TestCerts {
     pub cert_file: PathBuf,
     /// Its key, for `client_tls.key_file`.
     pub key_file: PathBuf,
+    /// A client certificate from the same CA, for the user `postgres` (`upstream.sslcert`).
+    pub client_cert_file: PathBuf,
+    /// Its key (`upstream.sslkey`).
+    pub client_key_file: PathBuf,
     ca_der: Vec<u8>,
 }
 
@@ -46,6 +50,14 @@ impl TestCerts {
                 .expect("server params");
         params.distinguished_name.push(DnType::CommonName, names[0]);
         let cert = params.signed_by(&key, &ca).expect("server certificate");
+        let client_key = KeyPair::generate().expect("client key");
+        let mut client_params = CertificateParams::new(Vec::<String>::new()).expect("params");
+        client_params
+            .distinguished_name
+            .push(DnType::CommonName, crate::SUPERUSER);
+        let client = client_params
+            .signed_by(&client_key, &ca)
+            .expect("client certificate");
         let write = |name: &str, text: &str| {
             let path = dir.path().join(name);
             std::fs::write(&path, text).unwrap_or_else(|e| panic!("write {name}: {e}"));
@@ -55,6 +67,8 @@ impl TestCerts {
             ca_file: write("ca.crt", &ca.pem()),
             cert_file: write("server.crt", &cert.pem()),
             key_file: write("server.key", &key.serialize_pem()),
+            client_cert_file: write("client.crt", &client.pem()),
+            client_key_file: write("client.key", &client_key.serialize_pem()),
             ca_der: ca.der().to_vec(),
             dir,
         }

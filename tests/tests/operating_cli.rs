@@ -26,6 +26,8 @@ const FLAGS: &[&str] = &[
     "--threads",
     "--unix-socket-dir",
     "--upstream",
+    "--upstream-sslcert",
+    "--upstream-sslkey",
     "--upstream-sslmode",
     "--upstream-sslrootcert",
     "--version",
@@ -45,6 +47,8 @@ const ENV: &[&str] = &[
     "PGFENCE_CLIENT_TLS_KEY_FILE",
     "PGFENCE_UPSTREAM_SSLMODE",
     "PGFENCE_UPSTREAM_SSLROOTCERT",
+    "PGFENCE_UPSTREAM_SSLCERT",
+    "PGFENCE_UPSTREAM_SSLKEY",
 ];
 /// The flags of `pgfence install` besides the global ones.
 const INSTALL_FLAGS: &[&str] = &["--database", "--user", "--password", "--grant-to"];
@@ -190,6 +194,16 @@ fn unusable_tls_settings_stop_the_binary() {
     ]);
     assert!(
         stderr.contains("upstream.sslrootcert /nonexistent/root.crt: cannot read"),
+        "{stderr}"
+    );
+    let stderr = refused(&[
+        "--upstream-sslmode",
+        "require",
+        "--upstream-sslcert",
+        "/c.pem",
+    ]);
+    assert!(
+        stderr.contains("upstream.sslcert and upstream.sslkey go together"),
         "{stderr}"
     );
     let stderr = refused(&["--client-tls-sslmode", "sometimes"]);

@@ -16,6 +16,9 @@
 //!   server's certificate and a certificate for another name; `verify-ca` accepts the
 //!   latter; `require` accepts any certificate but needs TLS; `prefer` falls back to plain
 //!   TCP on a server without TLS.
+//! - [`client_certificate_to_the_server`]: a server that wants a client certificate
+//!   (`clientcert=verify-ca`) lets pgfence in with `upstream.sslcert`/`sslkey` and refuses
+//!   it without.
 
 use std::process::Command;
 use std::time::Duration;
@@ -280,4 +283,44 @@ async fn verification_and_fallback() {
         drop(client);
         proxy.shutdown().unwrap();
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_certificate_to_the_server() {
+    let cluster = PgCluster::start();
+    let certs = TestCerts::new("server CA");
+    cluster.enable_ssl(&certs.cert_file, &certs.key_file);
+    cluster.require_client_certs(&certs.ca_file);
+
+    let without = Proxy::start(upstream_tls(
+        &cluster,
+        UpstreamSslMode::VerifyFull,
+        Some(&certs),
+    ));
+    let err = try_connect_to(&without.connstr(APP_DB)).await.unwrap_err();
+    assert!(
+        format!("{err:?}").contains("connection requires a valid client certificate"),
+        "{err:?}"
+    );
+    without.shutdown().unwrap();
+
+    let mut config = upstream_tls(&cluster, UpstreamSslMode::VerifyFull, Some(&certs));
+    config.upstream.sslcert = Some(certs.client_cert_file.clone());
+    config.upstream.sslkey = Some(certs.client_key_file.clone());
+    let with = Proxy::start(config);
+    let client = connect_to(&with.connstr(APP_DB)).await;
+    let row = client
+        .query_one(
+            "SELECT ssl, client_dn FROM pg_stat_ssl WHERE pid = pg_backend_pid()",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert!(row.get::<_, bool>(0));
+    assert_eq!(
+        row.get::<_, Option<String>>(1).as_deref(),
+        Some("/CN=postgres")
+    );
+    drop(client);
+    with.shutdown().unwrap();
 }
