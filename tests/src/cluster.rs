@@ -291,16 +291,7 @@ impl PgCluster {
     /// own lines) and reloads. Call after [`PgCluster::enable_ssl`]; psql's default
     /// `sslmode=prefer` still gets in.
     pub fn refuse_plain_tcp(&self) {
-        let hba = self.data_dir().join("pg_hba.conf");
-        let lines = fs::read_to_string(&hba).expect("read pg_hba.conf");
-        fs::write(
-            &hba,
-            format!("hostnossl all all 127.0.0.1/32 reject\n{lines}"),
-        )
-        .expect("write pg_hba.conf");
-        self.psql("postgres", "SELECT pg_reload_conf()");
-        // The postmaster reads pg_hba.conf on SIGHUP, before it takes the next connection.
-        std::thread::sleep(Duration::from_millis(200));
+        self.hba_first("hostnossl all all 127.0.0.1/32 reject");
     }
 
     /// Requires a client certificate signed by a CA of `ca_file` from TLS logins over TCP to
@@ -315,14 +306,18 @@ impl PgCluster {
                 .unwrap_or_else(|e| panic!("chown {} to postgres: {e}", copy.display()));
         }
         self.append_settings([("ssl_ca_file".to_string(), "'root.crt'".to_string())]);
+        self.hba_first(&format!(
+            "hostssl {APP_DB} all 127.0.0.1/32 trust clientcert=verify-ca"
+        ));
+    }
+
+    /// Puts `line` first in pg_hba.conf and reloads.
+    fn hba_first(&self, line: &str) {
         let hba = self.data_dir().join("pg_hba.conf");
         let lines = fs::read_to_string(&hba).expect("read pg_hba.conf");
-        fs::write(
-            &hba,
-            format!("hostssl {APP_DB} all 127.0.0.1/32 trust clientcert=verify-ca\n{lines}"),
-        )
-        .expect("write pg_hba.conf");
+        fs::write(&hba, format!("{line}\n{lines}")).expect("write pg_hba.conf");
         self.psql("postgres", "SELECT pg_reload_conf()");
+        // The postmaster reads pg_hba.conf on SIGHUP, before it takes the next connection.
         std::thread::sleep(Duration::from_millis(200));
     }
 
