@@ -6,9 +6,10 @@
 //!   logins (`hostnossl ... reject`). `pgfence install` gets in; the backend sees TLS
 //!   (`pg_stat_ssl`); the fence works (a token accepted, a stale one rejected); a kept
 //!   connection (`SHOW SERVERS` shows its TLS version) serves the next client with its TLS
-//!   state (same backend, still TLS); a plain client's SCRAM login works, since `SCRAM-SHA-256-PLUS` is hidden and the client
-//!   does not ask for channel binding; a TLS client's default `channel_binding=prefer`
-//!   gets FATAL 28000 saying why and what to do, and `channel_binding=disable` logs in.
+//!   state (same backend, still TLS) and can be cancelled; a plain client's SCRAM login
+//!   works, since `SCRAM-SHA-256-PLUS` is hidden and the client does not ask for channel
+//!   binding; a TLS client's default `channel_binding=prefer` gets FATAL 28000 saying why
+//!   and what to do, and `channel_binding=disable` logs in.
 //!   Every server connection ends with TLS's close_notify: the server logs no connection
 //!   cut short, neither for the refused login nor for the sessions open or kept at
 //!   shutdown.
@@ -152,6 +153,10 @@ async fn server_connections_use_tls() {
         cluster.psql(APP_DB, "SELECT count(*) FROM charges").trim(),
         "2"
     );
+    // A cancel request reaches the TLS session's backend (sent to the server in plain TCP,
+    // which PostgreSQL serves before it reads pg_hba.conf).
+    let next = harness::fence::cancelled_sleep(next).await;
+    assert!(backend_ssl(&next).await.0);
 
     // SCRAM from a plain client: PLUS is hidden, the client does not bind, the login works.
     let scram = connect_to(&proxy.connstr_as(APP_DB, SCRAM_USER, Some(SCRAM_PASSWORD))).await;
