@@ -62,6 +62,29 @@ pub(crate) fn connstr(port: u16, db: &str, user: &str, password: Option<&str>) -
     s
 }
 
+/// Runs `psql -X -At -v ON_ERROR_STOP=1 -c <sql>` against 127.0.0.1:`port` with `conninfo`
+/// (more key=value pairs: user, dbname, TLS settings) and a libpq environment cleared of
+/// anything that would change the connection. The outcome, failed or not.
+pub fn psql_conninfo(port: u16, conninfo: &str, sql: &str) -> process::Outcome {
+    let mut cmd = Command::new(crate::pg_bin_dir().join("psql"));
+    cmd.args(["-X", "-At", "-v", "ON_ERROR_STOP=1", "-c", sql])
+        .arg(format!(
+            "host={} port={port} connect_timeout=10 {conninfo}",
+            crate::HOST
+        ));
+    for var in [
+        "PGSSLMODE",
+        "PGSSLROOTCERT",
+        "PGCHANNELBINDING",
+        "PGOPTIONS",
+        "PGPASSWORD",
+        "PSQLRC",
+    ] {
+        cmd.env_remove(var);
+    }
+    process::run(&mut cmd, None, PSQL_TIMEOUT)
+}
+
 /// Connects with tokio-postgres, without TLS, and drives the connection on a spawned task.
 /// Must be called inside a tokio runtime.
 pub async fn try_connect_to(connstr: &str) -> Result<Client, tokio_postgres::Error> {

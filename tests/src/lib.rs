@@ -33,7 +33,7 @@ pub mod python;
 pub mod tls;
 pub mod wire;
 
-pub use client::{connect_to, quote_conn_value, try_connect_to, wait_for_none};
+pub use client::{connect_to, psql_conninfo, quote_conn_value, try_connect_to, wait_for_none};
 pub use cluster::{
     pg_bin_dir, PgCluster, PgClusterBuilder, APP_DB, MD5_PASSWORD, MD5_USER, SCRAM_PASSWORD,
     SCRAM_USER, SUPERUSER,

@@ -37,8 +37,8 @@ use std::time::Duration;
 use harness::tls::TestCerts;
 use harness::wire::{self, split_messages, Msg};
 use harness::{
-    pg_bin_dir, python_or_skip, run_command, run_python, PgCluster, Proxy, ProxyProcess, APP_DB,
-    SUPERUSER,
+    pg_bin_dir, psql_conninfo, python_or_skip, run_command, run_python, PgCluster, Proxy,
+    ProxyProcess, APP_DB, SUPERUSER,
 };
 use pgfence_config::ClientSslMode;
 
@@ -56,23 +56,14 @@ fn tls_config(
     config
 }
 
-/// psql on `port` with `conn` (key=value pairs, e.g. TLS settings) and `sql`; the outcome.
+/// psql on `port` as `postgres` on `app`, with `conn` (more key=value pairs, e.g. TLS
+/// settings) and `sql`; the outcome.
 fn psql(port: u16, conn: &str, sql: &str) -> harness::Outcome {
-    let mut cmd = Command::new(pg_bin_dir().join("psql"));
-    cmd.args(["-X", "-At", "-v", "ON_ERROR_STOP=1", "-c", sql])
-        .arg(format!(
-            "host=127.0.0.1 port={port} user={SUPERUSER} dbname={APP_DB} connect_timeout=10 {conn}"
-        ));
-    for var in [
-        "PGSSLMODE",
-        "PGSSLROOTCERT",
-        "PGOPTIONS",
-        "PGPASSWORD",
-        "PSQLRC",
-    ] {
-        cmd.env_remove(var);
-    }
-    run_command(&mut cmd, None, PSQL_TIMEOUT)
+    psql_conninfo(
+        port,
+        &format!("user={SUPERUSER} dbname={APP_DB} {conn}"),
+        sql,
+    )
 }
 
 /// Like [`psql`], and the run must succeed: its stdout.

@@ -21,13 +21,12 @@
 //!   (`clientcert=verify-ca`) lets pgfence in with `upstream.sslcert`/`sslkey` and refuses
 //!   it without.
 
-use std::process::Command;
 use std::time::Duration;
 
 use harness::fence::{assert_rejected, stale};
 use harness::tls::TestCerts;
 use harness::{
-    connect_to, pg_bin_dir, run_command, try_connect_to, PgCluster, Proxy, APP_DB, SCRAM_PASSWORD,
+    connect_to, psql_conninfo, try_connect_to, PgCluster, Proxy, APP_DB, SCRAM_PASSWORD,
     SCRAM_USER, SUPERUSER,
 };
 use pgfence_config::{ClientSslMode, Config, UpstreamSslMode};
@@ -41,27 +40,28 @@ fn upstream_tls(cluster: &PgCluster, mode: UpstreamSslMode, ca: Option<&TestCert
     config
 }
 
+/// What a client gets through a pgfence with `config` that must refuse it: the error, as
+/// text.
+async fn refusal(config: Config) -> String {
+    let proxy = Proxy::start(config);
+    let err = try_connect_to(&proxy.connstr(APP_DB)).await.unwrap_err();
+    proxy.shutdown().unwrap();
+    format!("{err:?}")
+}
+
+/// Whether the backend of a session through a pgfence with `config` sees TLS.
+async fn backend_tls_through(config: Config) -> bool {
+    let proxy = Proxy::start(config);
+    let client = connect_to(&proxy.connstr(APP_DB)).await;
+    let (ssl, _) = backend_ssl(&client).await;
+    drop(client);
+    proxy.shutdown().unwrap();
+    ssl
+}
+
 async fn backend_ssl(client: &tokio_postgres::Client) -> (bool, Option<String>) {
     let row = client.query_one(SSL_OF_BACKEND, &[]).await.unwrap();
     (row.get(0), row.get(1))
-}
-
-fn psql(port: u16, conn: &str, sql: &str) -> harness::Outcome {
-    let mut cmd = Command::new(pg_bin_dir().join("psql"));
-    cmd.args(["-X", "-At", "-v", "ON_ERROR_STOP=1", "-c", sql])
-        .arg(format!(
-            "host=127.0.0.1 port={port} connect_timeout=10 {conn}"
-        ));
-    for var in [
-        "PGSSLMODE",
-        "PGPASSWORD",
-        "PGCHANNELBINDING",
-        "PGOPTIONS",
-        "PSQLRC",
-    ] {
-        cmd.env_remove(var);
-    }
-    run_command(&mut cmd, None, Duration::from_secs(60))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -168,7 +168,7 @@ async fn server_connections_use_tls() {
         "user={SCRAM_USER} password={SCRAM_PASSWORD} dbname={APP_DB} {}",
         proxy_certs.verify_full()
     );
-    let out = psql(proxy.port(), &scram_tls, "SELECT 1");
+    let out = psql_conninfo(proxy.port(), &scram_tls, "SELECT 1");
     assert!(!out.success());
     assert!(
         out.stderr
@@ -179,7 +179,7 @@ async fn server_connections_use_tls() {
         "{}",
         out.stderr
     );
-    let out = psql(
+    let out = psql_conninfo(
         proxy.port(),
         &format!("{scram_tls} channel_binding=disable"),
         SSL_OF_BACKEND,
@@ -226,67 +226,53 @@ async fn verification_and_fallback() {
     let other = TestCerts::new("another CA");
 
     // Whoever signed it, verify-full wants our CA.
-    let proxy = Proxy::start(upstream_tls(
+    let refused = refusal(upstream_tls(
         &cluster,
         UpstreamSslMode::VerifyFull,
         Some(&other),
-    ));
-    let err = try_connect_to(&proxy.connstr(APP_DB)).await.unwrap_err();
-    let text = format!("{err:?}");
+    ))
+    .await;
     assert!(
-        text.contains("08006") && text.contains("certificate"),
-        "{text}"
+        refused.contains("08006") && refused.contains("certificate"),
+        "{refused}"
     );
-    proxy.shutdown().unwrap();
 
     // A certificate from our CA for another name: verify-full refuses, verify-ca accepts.
     let mut renamed = PgCluster::start();
     let elsewhere = TestCerts::for_names("server CA 2", &["db.elsewhere.example"]);
     renamed.enable_ssl(&elsewhere.cert_file, &elsewhere.key_file);
-    let proxy = Proxy::start(upstream_tls(
+    let refused = refusal(upstream_tls(
         &renamed,
         UpstreamSslMode::VerifyFull,
         Some(&elsewhere),
-    ));
-    let err = try_connect_to(&proxy.connstr(APP_DB)).await.unwrap_err();
+    ))
+    .await;
     assert!(
-        format!("{err:?}").contains("certificate not valid for name"),
-        "{err:?}"
+        refused.contains("certificate not valid for name"),
+        "{refused}"
     );
-    proxy.shutdown().unwrap();
-    let proxy = Proxy::start(upstream_tls(
-        &renamed,
-        UpstreamSslMode::VerifyCa,
-        Some(&elsewhere),
-    ));
-    let client = connect_to(&proxy.connstr(APP_DB)).await;
-    assert!(backend_ssl(&client).await.0);
-    drop(client);
-    proxy.shutdown().unwrap();
+    assert!(
+        backend_tls_through(upstream_tls(
+            &renamed,
+            UpstreamSslMode::VerifyCa,
+            Some(&elsewhere)
+        ))
+        .await
+    );
     renamed.stop_server();
 
     // require: any certificate, but TLS or nothing.
-    let proxy = Proxy::start(upstream_tls(&cluster, UpstreamSslMode::Require, None));
-    let client = connect_to(&proxy.connstr(APP_DB)).await;
-    assert!(backend_ssl(&client).await.0);
-    drop(client);
-    proxy.shutdown().unwrap();
-    let proxy = Proxy::start(upstream_tls(&plain_cluster, UpstreamSslMode::Require, None));
-    let err = try_connect_to(&proxy.connstr(APP_DB)).await.unwrap_err();
+    assert!(backend_tls_through(upstream_tls(&cluster, UpstreamSslMode::Require, None)).await);
+    let refused = refusal(upstream_tls(&plain_cluster, UpstreamSslMode::Require, None)).await;
     assert!(
-        format!("{err:?}")
-            .contains("the server does not support TLS, and upstream.sslmode = require"),
-        "{err:?}"
+        refused.contains("the server does not support TLS, and upstream.sslmode = require"),
+        "{refused}"
     );
-    proxy.shutdown().unwrap();
 
     // prefer: TLS where offered, plain TCP where not.
     for (target, tls) in [(&cluster, true), (&plain_cluster, false)] {
-        let proxy = Proxy::start(upstream_tls(target, UpstreamSslMode::Prefer, None));
-        let client = connect_to(&proxy.connstr(APP_DB)).await;
-        assert_eq!(backend_ssl(&client).await.0, tls);
-        drop(client);
-        proxy.shutdown().unwrap();
+        let used = backend_tls_through(upstream_tls(target, UpstreamSslMode::Prefer, None)).await;
+        assert_eq!(used, tls);
     }
 }
 
@@ -297,17 +283,16 @@ async fn client_certificate_to_the_server() {
     cluster.enable_ssl(&certs.cert_file, &certs.key_file);
     cluster.require_client_certs(&certs.ca_file);
 
-    let without = Proxy::start(upstream_tls(
+    let refused = refusal(upstream_tls(
         &cluster,
         UpstreamSslMode::VerifyFull,
         Some(&certs),
-    ));
-    let err = try_connect_to(&without.connstr(APP_DB)).await.unwrap_err();
+    ))
+    .await;
     assert!(
-        format!("{err:?}").contains("connection requires a valid client certificate"),
-        "{err:?}"
+        refused.contains("connection requires a valid client certificate"),
+        "{refused}"
     );
-    without.shutdown().unwrap();
 
     let mut config = upstream_tls(&cluster, UpstreamSslMode::VerifyFull, Some(&certs));
     config.upstream.sslcert = Some(certs.client_cert_file.clone());
