@@ -72,7 +72,7 @@ pub fn connector(upstream: &Upstream) -> Result<Option<Arc<rustls::ClientConfig>
     let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
         .map_err(|e| format!("upstream TLS: {e}"))?;
-    let builder = match (&upstream.sslrootcert, mode) {
+    let chain = match (&upstream.sslrootcert, mode) {
         (Some(path), UpstreamSslMode::VerifyCa | UpstreamSslMode::VerifyFull) => {
             let mut roots = rustls::RootCertStore::empty();
             let certs = CertificateDer::pem_file_iter(path)
@@ -92,29 +92,27 @@ pub fn connector(upstream: &Upstream) -> Result<Option<Arc<rustls::ClientConfig>
             }
             let webpki = rustls::client::WebPkiServerVerifier::builder_with_provider(
                 Arc::new(roots),
-                provider,
+                provider.clone(),
             )
             .build()
             .map_err(|e| format!("upstream.sslrootcert {}: {e}", path.display()))?;
-            let verifier: Arc<dyn rustls::client::danger::ServerCertVerifier> =
-                if mode == UpstreamSslMode::VerifyCa {
-                    Arc::new(AnyName(webpki))
-                } else {
-                    webpki
-                };
-            builder
-                .dangerous()
-                .with_custom_certificate_verifier(verifier)
+            Some(webpki)
         }
         (None, UpstreamSslMode::VerifyCa | UpstreamSslMode::VerifyFull) => {
             return Err(format!(
                 "upstream.sslmode = {mode} needs upstream.sslrootcert"
             ))
         }
-        _ => builder
-            .dangerous()
-            .with_custom_certificate_verifier(Arc::new(AnyCertificate(provider))),
+        _ => None,
     };
+    let verifier = ServerVerifier {
+        chain,
+        any_name: mode != UpstreamSslMode::VerifyFull,
+        provider,
+    };
+    let builder = builder
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(verifier));
     let config = match (&upstream.sslcert, &upstream.sslkey) {
         (Some(cert_file), Some(key_file)) => {
             let (certs, key) =
@@ -132,12 +130,20 @@ pub fn connector(upstream: &Upstream) -> Result<Option<Arc<rustls::ClientConfig>
     Ok(Some(Arc::new(config)))
 }
 
-/// `verify-ca`: the chain must lead to a trusted CA; the name in the certificate may be
-/// any (as libpq's `verify-ca`).
+/// How pgfence checks the server's certificate, by `upstream.sslmode` as libpq does:
+/// `verify-full` checks the chain against `sslrootcert` and the name against `host`,
+/// `verify-ca` the chain only, `prefer` and `require` nothing (encryption without
+/// authentication of the server). The handshake's signatures are checked in every mode.
 #[derive(Debug)]
-struct AnyName(Arc<rustls::client::WebPkiServerVerifier>);
+struct ServerVerifier {
+    /// The CAs' verifier; `None` for `prefer` and `require`.
+    chain: Option<Arc<rustls::client::WebPkiServerVerifier>>,
+    /// Accept a certificate issued for another name (all modes but `verify-full`).
+    any_name: bool,
+    provider: Arc<rustls::crypto::CryptoProvider>,
+}
 
-impl rustls::client::danger::ServerCertVerifier for AnyName {
+impl rustls::client::danger::ServerCertVerifier for ServerVerifier {
     fn verify_server_cert(
         &self,
         end_entity: &CertificateDer<'_>,
@@ -147,55 +153,15 @@ impl rustls::client::danger::ServerCertVerifier for AnyName {
         now: rustls::pki_types::UnixTime,
     ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
         use rustls::CertificateError::{NotValidForName, NotValidForNameContext};
-        match self
-            .0
-            .verify_server_cert(end_entity, intermediates, server_name, ocsp, now)
-        {
+        let Some(chain) = &self.chain else {
+            return Ok(rustls::client::danger::ServerCertVerified::assertion());
+        };
+        match chain.verify_server_cert(end_entity, intermediates, server_name, ocsp, now) {
             Err(rustls::Error::InvalidCertificate(
                 NotValidForName | NotValidForNameContext { .. },
-            )) => Ok(rustls::client::danger::ServerCertVerified::assertion()),
+            )) if self.any_name => Ok(rustls::client::danger::ServerCertVerified::assertion()),
             other => other,
         }
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls12_signature(message, cert, dss)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls13_signature(message, cert, dss)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        self.0.supported_verify_schemes()
-    }
-}
-
-/// `prefer` and `require`: encryption without authentication of the server, as libpq
-/// without a root certificate. The handshake's signatures are still checked.
-#[derive(Debug)]
-struct AnyCertificate(Arc<rustls::crypto::CryptoProvider>);
-
-impl rustls::client::danger::ServerCertVerifier for AnyCertificate {
-    fn verify_server_cert(
-        &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &rustls::pki_types::ServerName<'_>,
-        _ocsp: &[u8],
-        _now: rustls::pki_types::UnixTime,
-    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
-        Ok(rustls::client::danger::ServerCertVerified::assertion())
     }
 
     fn verify_tls12_signature(
@@ -208,7 +174,7 @@ impl rustls::client::danger::ServerCertVerifier for AnyCertificate {
             message,
             cert,
             dss,
-            &self.0.signature_verification_algorithms,
+            &self.provider.signature_verification_algorithms,
         )
     }
 
@@ -222,12 +188,14 @@ impl rustls::client::danger::ServerCertVerifier for AnyCertificate {
             message,
             cert,
             dss,
-            &self.0.signature_verification_algorithms,
+            &self.provider.signature_verification_algorithms,
         )
     }
 
     fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        self.0.signature_verification_algorithms.supported_schemes()
+        self.provider
+            .signature_verification_algorithms
+            .supported_schemes()
     }
 }
 
