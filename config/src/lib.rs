@@ -163,6 +163,27 @@ pub enum ClientSslMode {
     /// TLS for every TCP client: a plain login is refused with SQLSTATE 28000. Clients of
     /// the Unix-domain socket are local and never use TLS, as with PostgreSQL.
     Require,
+    /// As `require`, and the client must present a certificate signed by a CA of
+    /// `ca_file` (PostgreSQL's `clientcert=verify-ca`).
+    VerifyCa,
+    /// As `verify-ca`, and the certificate's common name (CN) must be the user name the
+    /// client logs in as (PostgreSQL's `clientcert=verify-full`).
+    VerifyFull,
+}
+
+impl ClientSslMode {
+    /// Every TCP client must use TLS.
+    pub fn requires_tls(self) -> bool {
+        matches!(
+            self,
+            ClientSslMode::Require | ClientSslMode::VerifyCa | ClientSslMode::VerifyFull
+        )
+    }
+
+    /// Every TCP client must present a certificate signed by a CA of `ca_file`.
+    pub fn requires_certificate(self) -> bool {
+        matches!(self, ClientSslMode::VerifyCa | ClientSslMode::VerifyFull)
+    }
 }
 
 impl std::fmt::Display for ClientSslMode {
@@ -171,6 +192,8 @@ impl std::fmt::Display for ClientSslMode {
             ClientSslMode::Disable => "disable",
             ClientSslMode::Allow => "allow",
             ClientSslMode::Require => "require",
+            ClientSslMode::VerifyCa => "verify-ca",
+            ClientSslMode::VerifyFull => "verify-full",
         })
     }
 }
@@ -183,8 +206,10 @@ impl std::str::FromStr for ClientSslMode {
             "disable" => Ok(ClientSslMode::Disable),
             "allow" | "prefer" => Ok(ClientSslMode::Allow),
             "require" => Ok(ClientSslMode::Require),
+            "verify-ca" => Ok(ClientSslMode::VerifyCa),
+            "verify-full" => Ok(ClientSslMode::VerifyFull),
             other => Err(format!(
-                "unknown client TLS mode {other:?}: use disable, allow, prefer or require"
+                "unknown client TLS mode {other:?}: use disable, allow, prefer, require, verify-ca or verify-full"
             )),
         }
     }
@@ -195,13 +220,19 @@ impl std::str::FromStr for ClientSslMode {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields, default)]
 pub struct ClientTls {
-    /// `disable`, `allow` (or `prefer`) or `require`. Default `disable`.
+    /// `disable`, `allow` (or `prefer`), `require`, `verify-ca` or `verify-full`. Default
+    /// `disable`.
     pub sslmode: ClientSslMode,
     /// PEM file with pgfence's certificate, then the intermediate certificates of its
     /// chain, if any. Required unless `sslmode` is `disable`. Read at start and at reload.
     pub cert_file: Option<std::path::PathBuf>,
     /// PEM file with the certificate's private key (PKCS#8, PKCS#1 or SEC1).
     pub key_file: Option<std::path::PathBuf>,
+    /// PEM file with the CA certificates that sign clients' certificates (PgBouncer's
+    /// `client_tls_ca_file`). Required by `verify-ca` and `verify-full`; with `allow` or
+    /// `require`, clients are asked for a certificate, may send none, and one they send
+    /// must be signed by one of these CAs.
+    pub ca_file: Option<std::path::PathBuf>,
 }
 
 /// Limits that protect the proxy from misbehaving clients.
@@ -474,6 +505,7 @@ pub struct Overrides {
     pub client_tls_sslmode: Option<ClientSslMode>,
     pub client_tls_cert_file: Option<std::path::PathBuf>,
     pub client_tls_key_file: Option<std::path::PathBuf>,
+    pub client_tls_ca_file: Option<std::path::PathBuf>,
     pub no_fence: bool,
 }
 
@@ -520,6 +552,9 @@ impl Overrides {
         }
         if let Some(path) = &self.client_tls_key_file {
             config.client_tls.key_file = Some(path.clone());
+        }
+        if let Some(path) = &self.client_tls_ca_file {
+            config.client_tls.ca_file = Some(path.clone());
         }
         if self.no_fence {
             config.fence.enabled = false;
@@ -689,6 +724,17 @@ impl Config {
                      client_tls.key_file (PEM files with pgfence's certificate and its key)"
                 ));
             }
+            if mode.requires_certificate() && self.client_tls.ca_file.is_none() {
+                return invalid(format!(
+                    "client_tls.sslmode = {mode} needs client_tls.ca_file (a PEM file with the \
+                     CA certificates that sign the clients' certificates)"
+                ));
+            }
+        } else if self.client_tls.ca_file.is_some() {
+            return invalid(
+                "client_tls.ca_file is set but client_tls.sslmode = disable: no client would ever be asked for a certificate"
+                    .into(),
+            );
         }
         if self.limits.max_client_connections == 0 {
             return invalid("limits.max_client_connections must be at least 1".into());

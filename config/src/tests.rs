@@ -155,10 +155,37 @@ fn client_tls_modes_and_their_files() {
     let config: Config = toml::from_str("[client_tls]\nsslmode = \"require\"\n").unwrap();
     let err = config.validate().unwrap_err().to_string();
     assert!(err.contains("needs client_tls.cert_file"), "{err}");
-    let err = toml::from_str::<Config>("[client_tls]\nsslmode = \"verify-full\"\n").unwrap_err();
+    let err = toml::from_str::<Config>("[client_tls]\nsslmode = \"verify\"\n").unwrap_err();
     assert!(err.to_string().contains("verify-full"), "{err}");
     assert_eq!("prefer".parse::<ClientSslMode>(), Ok(ClientSslMode::Allow));
     assert_eq!(ClientSslMode::Require.to_string(), "require");
+    // The verify modes need the CA file that signs the clients' certificates.
+    let files = "cert_file = \"/c.pem\"\nkey_file = \"/k.pem\"\n";
+    for mode in ["verify-ca", "verify-full"] {
+        let config: Config =
+            toml::from_str(&format!("[client_tls]\nsslmode = \"{mode}\"\n{files}")).unwrap();
+        let err = config.validate().unwrap_err().to_string();
+        assert!(err.contains("needs client_tls.ca_file"), "{err}");
+        let config: Config = toml::from_str(&format!(
+            "[client_tls]\nsslmode = \"{mode}\"\n{files}ca_file = \"/ca.pem\"\n"
+        ))
+        .unwrap();
+        config.validate().unwrap();
+        assert_eq!(config.client_tls.sslmode.to_string(), mode);
+        assert!(config.client_tls.sslmode.requires_tls());
+        assert!(config.client_tls.sslmode.requires_certificate());
+    }
+    assert!(!ClientSslMode::Require.requires_certificate());
+    assert!(!ClientSslMode::Allow.requires_tls());
+    // A CA file with allow or require asks for certificates; with disable it is a mistake.
+    let config: Config = toml::from_str(&format!(
+        "[client_tls]\nsslmode = \"require\"\n{files}ca_file = \"/ca.pem\"\n"
+    ))
+    .unwrap();
+    config.validate().unwrap();
+    let config: Config = toml::from_str("[client_tls]\nca_file = \"/ca.pem\"\n").unwrap();
+    let err = config.validate().unwrap_err().to_string();
+    assert!(err.contains("no client would ever be asked"), "{err}");
 }
 
 #[test]

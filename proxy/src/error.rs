@@ -53,8 +53,10 @@ pub enum SessionError {
     EncryptionTwice,
     #[error("TLS handshake with the client failed: {0}")]
     TlsHandshake(#[source] io::Error),
-    #[error("pgfence requires TLS from its clients (client_tls.sslmode = require)")]
-    TlsRequired,
+    #[error("pgfence requires TLS from its clients (client_tls.sslmode = {0})")]
+    TlsRequired(pgfence_config::ClientSslMode),
+    #[error("certificate authentication failed for user {user:?}: the client certificate is for {cn:?} (client_tls.sslmode = verify-full)")]
+    CertificateUserMismatch { user: String, cn: String },
     #[error("SCRAM channel binding cannot pass through pgfence: the client uses TLS to pgfence and pgfence uses its own TLS connection to the server")]
     ChannelBindingThroughProxy,
 }
@@ -72,7 +74,8 @@ impl SessionError {
             | SessionError::EncryptionAfterStartup
             | SessionError::EncryptionTwice
             | SessionError::TlsHandshake(_)
-            | SessionError::TlsRequired
+            | SessionError::TlsRequired(_)
+            | SessionError::CertificateUserMismatch { .. }
             | SessionError::ChannelBindingThroughProxy => Side::Client,
             SessionError::ServerIo(_)
             | SessionError::ServerFrame(_)
@@ -91,7 +94,8 @@ impl SessionError {
             SessionError::TooManyClients(_) => "53300",
             SessionError::UnsupportedEncoding(_) => "0A000",
             SessionError::NotAdmin(_)
-            | SessionError::TlsRequired
+            | SessionError::TlsRequired(_)
+            | SessionError::CertificateUserMismatch { .. }
             | SessionError::ChannelBindingThroughProxy => "28000",
             SessionError::Shutdown => "57P01",
             // feature_not_supported, as PostgreSQL answers an unsupported version.
@@ -119,9 +123,15 @@ impl SessionError {
             SessionError::ChannelBindingThroughProxy => Some(
                 "Connect with channel_binding=disable: pgfence hides SCRAM-SHA-256-PLUS when its connection to the server uses TLS.",
             ),
-            SessionError::TlsRequired => {
+            SessionError::TlsRequired(mode) if mode.requires_certificate() => Some(
+                "Connect with sslmode=require (or verify-ca, verify-full), and sslcert and sslkey naming a client certificate signed by a CA of client_tls.ca_file.",
+            ),
+            SessionError::TlsRequired(_) => {
                 Some("Connect with sslmode=require (or verify-ca, verify-full) in the connection string.")
             }
+            SessionError::CertificateUserMismatch { .. } => Some(
+                "Log in as the user the certificate's common name (CN) names, or use a certificate issued for this user.",
+            ),
             SessionError::ClientFrame(FrameError::TooLarge { .. }) => Some(
                 "Raise limits.max_message_size in pgfence's configuration if this is intended.",
             ),

@@ -91,9 +91,10 @@ struct Cli {
     /// number of CPUs pgfence may use; 1 behaves like PgBouncer's single thread].
     #[arg(long, env = "PGFENCE_THREADS", global = true)]
     threads: Option<usize>,
-    /// TLS for clients: disable, allow (or prefer: TLS when the client asks) or require
-    /// (plain TCP logins refused) [default: disable]. Needs --client-tls-cert-file and
-    /// --client-tls-key-file.
+    /// TLS for clients: disable, allow (or prefer: TLS when the client asks), require
+    /// (plain TCP logins refused), verify-ca (and a client certificate signed by a CA of
+    /// --client-tls-ca-file) or verify-full (and its CN is the user name) [default:
+    /// disable]. Needs --client-tls-cert-file and --client-tls-key-file.
     #[arg(
         long,
         value_name = "MODE",
@@ -117,6 +118,15 @@ struct Cli {
         global = true
     )]
     client_tls_key_file: Option<PathBuf>,
+    /// PEM file with the CA certificates that sign clients' certificates: needed by the
+    /// verify modes; with allow or require, clients are asked for an optional certificate.
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "PGFENCE_CLIENT_TLS_CA_FILE",
+        global = true
+    )]
+    client_tls_ca_file: Option<PathBuf>,
     /// Run as a plain proxy without the fence (for comparisons).
     #[arg(long, env = "PGFENCE_NO_FENCE", global = true)]
     no_fence: bool,
@@ -169,6 +179,7 @@ fn source(cli: &Cli) -> Result<Source, String> {
             client_tls_sslmode: cli.client_tls_sslmode,
             client_tls_cert_file: cli.client_tls_cert_file.clone(),
             client_tls_key_file: cli.client_tls_key_file.clone(),
+            client_tls_ca_file: cli.client_tls_ca_file.clone(),
             no_fence: cli.no_fence,
         },
     })

@@ -165,6 +165,15 @@ impl Stream {
         }
     }
 
+    /// The common name of the peer's TLS certificate (see [`TlsStream::peer_common_name`]),
+    /// `None` without TLS or without a certificate.
+    pub fn tls_peer_common_name(&self) -> Option<String> {
+        match self {
+            Stream::Tls(t) => t.peer_common_name(),
+            _ => None,
+        }
+    }
+
     /// Where this socket is connected to.
     pub fn peer(&self) -> io::Result<UpstreamAddr> {
         match self {

@@ -38,18 +38,36 @@ pub fn acceptor(tls: &ClientTls) -> Result<Option<Arc<rustls::ServerConfig>>, St
         "client_tls.key_file",
     )?;
     let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+    let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
-        .map_err(|e| format!("client_tls: {e}"))?
-        .with_no_client_auth()
-        .with_single_cert(certs, key)
-        .map_err(|e| {
-            format!(
-                "client_tls: the key in {} does not go with the certificate in {}: {e}",
-                key_file.display(),
-                cert_file.display()
-            )
-        })?;
+        .map_err(|e| format!("client_tls: {e}"))?;
+    let builder = match &tls.ca_file {
+        // Clients are asked for a certificate: the verify modes refuse a client without
+        // one, the others let it in (PgBouncer's `client_tls_ca_file`). One it sends must
+        // chain to a CA of the file, whatever the mode.
+        Some(ca_file) => {
+            let roots = read_roots(ca_file, "client_tls.ca_file")?;
+            let verifier =
+                rustls::server::WebPkiClientVerifier::builder_with_provider(roots, provider);
+            let verifier = if tls.sslmode.requires_certificate() {
+                verifier
+            } else {
+                verifier.allow_unauthenticated()
+            };
+            let verifier = verifier
+                .build()
+                .map_err(|e| format!("client_tls.ca_file {}: {e}", ca_file.display()))?;
+            builder.with_client_cert_verifier(verifier)
+        }
+        None => builder.with_no_client_auth(),
+    };
+    let mut config = builder.with_single_cert(certs, key).map_err(|e| {
+        format!(
+            "client_tls: the key in {} does not go with the certificate in {}: {e}",
+            key_file.display(),
+            cert_file.display()
+        )
+    })?;
     // Clients that name a protocol (libpq 17) name this one; clients that name none are
     // served too.
     config.alpn_protocols = vec![ALPN_POSTGRESQL.to_vec()];
@@ -74,24 +92,9 @@ pub fn connector(upstream: &Upstream) -> Result<Option<Arc<rustls::ClientConfig>
         .map_err(|e| format!("upstream TLS: {e}"))?;
     let chain = match (&upstream.sslrootcert, mode) {
         (Some(path), UpstreamSslMode::VerifyCa | UpstreamSslMode::VerifyFull) => {
-            let mut roots = rustls::RootCertStore::empty();
-            let certs = CertificateDer::pem_file_iter(path)
-                .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-                .map_err(|e| {
-                    format!(
-                        "upstream.sslrootcert {}: cannot read PEM certificates: {e}",
-                        path.display()
-                    )
-                })?;
-            let (added, _) = roots.add_parsable_certificates(certs);
-            if added == 0 {
-                return Err(format!(
-                    "upstream.sslrootcert {}: no usable CA certificate in the file",
-                    path.display()
-                ));
-            }
+            let roots = read_roots(path, "upstream.sslrootcert")?;
             let webpki = rustls::client::WebPkiServerVerifier::builder_with_provider(
-                Arc::new(roots),
+                roots,
                 provider.clone(),
             )
             .build()
@@ -197,6 +200,27 @@ impl rustls::client::danger::ServerCertVerifier for ServerVerifier {
             .signature_verification_algorithms
             .supported_schemes()
     }
+}
+
+/// The CA certificates of a PEM file; errors name the setting and the file.
+fn read_roots(path: &std::path::Path, setting: &str) -> Result<Arc<rustls::RootCertStore>, String> {
+    let certs = CertificateDer::pem_file_iter(path)
+        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| {
+            format!(
+                "{setting} {}: cannot read PEM certificates: {e}",
+                path.display()
+            )
+        })?;
+    let mut roots = rustls::RootCertStore::empty();
+    let (added, _) = roots.add_parsable_certificates(certs);
+    if added == 0 {
+        return Err(format!(
+            "{setting} {}: no usable CA certificate in the file",
+            path.display()
+        ));
+    }
+    Ok(Arc::new(roots))
 }
 
 /// A certificate chain and its key from PEM files; errors name the setting and the file.
@@ -320,6 +344,21 @@ impl TlsStream {
     /// The peers agreed on the ALPN protocol `postgresql`.
     pub fn alpn_is_postgresql(&self) -> bool {
         lock(&self.conn).alpn_protocol() == Some(ALPN_POSTGRESQL)
+    }
+
+    /// The common name (CN) of the certificate the peer presented: `None` without a
+    /// certificate, `Some("")` for one without a common name. PostgreSQL's
+    /// `clientcert=verify-full` compares the first one with the user name, as here.
+    pub fn peer_common_name(&self) -> Option<String> {
+        let conn = lock(&self.conn);
+        let cert = conn.peer_certificates()?.first()?;
+        let name = x509_parser::parse_x509_certificate(cert)
+            .ok()
+            .and_then(|(_, cert)| {
+                let cn = cert.subject().iter_common_name().next()?;
+                cn.as_str().ok().map(str::to_owned)
+            });
+        Some(name.unwrap_or_default())
     }
 
     /// The protocol version and cipher suite, as `SHOW CLIENTS` shows them.
@@ -533,6 +572,7 @@ mod tests {
             sslmode: ClientSslMode::Require,
             cert_file: Some(cert_file),
             key_file: Some(key_file),
+            ca_file: None,
         })
         .unwrap()
         .unwrap();

@@ -1,6 +1,7 @@
 //! Certificates for the TLS tests, made fresh by each test: a CA, a certificate it signed
-//! for `localhost` and `127.0.0.1` and a client certificate for `postgres`, as PEM files in a temporary directory (removed on
-//! drop), and a blocking TLS client for byte-exact tests.
+//! for `localhost` and `127.0.0.1` and client certificates (`postgres`, and any other common
+//! name on request), as PEM files in a temporary directory (removed on drop), and a
+//! blocking TLS client for byte-exact tests.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -9,6 +10,37 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
+
+fn write(dir: &tempfile::TempDir, name: &str, text: &str) -> PathBuf {
+    let path = dir.path().join(name);
+    std::fs::write(&path, text).unwrap_or_else(|e| panic!("write {name}: {e}"));
+    path
+}
+
+/// A certificate for the client `cn` signed by `ca`, and its key, written to `dir`.
+fn client_certificate(
+    dir: &tempfile::TempDir,
+    ca: &CertifiedIssuer<'static, KeyPair>,
+    cn: &str,
+) -> (PathBuf, PathBuf) {
+    let key = KeyPair::generate().expect("client key");
+    let mut params = CertificateParams::new(Vec::<String>::new()).expect("params");
+    params.distinguished_name.push(DnType::CommonName, cn);
+    let cert = params.signed_by(&key, ca).expect("client certificate");
+    let name = if cn == crate::SUPERUSER {
+        "client".to_string()
+    } else {
+        format!("client-{cn}")
+    };
+    let key_file = write(dir, &format!("{name}.key"), &key.serialize_pem());
+    // libpq refuses an `sslkey` that others may read.
+    std::fs::set_permissions(
+        &key_file,
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .expect("chmod 600 the client key");
+    (write(dir, &format!("{name}.crt"), &cert.pem()), key_file)
+}
 
 /// A CA and a server certificate it signed, on disk.
 pub struct TestCerts {
@@ -23,7 +55,7 @@ pub struct TestCerts {
     pub client_cert_file: PathBuf,
     /// Its key (`upstream.sslkey`).
     pub client_key_file: PathBuf,
-    ca_der: Vec<u8>,
+    ca: CertifiedIssuer<'static, KeyPair>,
 }
 
 impl TestCerts {
@@ -50,28 +82,22 @@ impl TestCerts {
                 .expect("server params");
         params.distinguished_name.push(DnType::CommonName, names[0]);
         let cert = params.signed_by(&key, &ca).expect("server certificate");
-        let client_key = KeyPair::generate().expect("client key");
-        let mut client_params = CertificateParams::new(Vec::<String>::new()).expect("params");
-        client_params
-            .distinguished_name
-            .push(DnType::CommonName, crate::SUPERUSER);
-        let client = client_params
-            .signed_by(&client_key, &ca)
-            .expect("client certificate");
-        let write = |name: &str, text: &str| {
-            let path = dir.path().join(name);
-            std::fs::write(&path, text).unwrap_or_else(|e| panic!("write {name}: {e}"));
-            path
-        };
+        let (client_cert_file, client_key_file) = client_certificate(&dir, &ca, crate::SUPERUSER);
         TestCerts {
-            ca_file: write("ca.crt", &ca.pem()),
-            cert_file: write("server.crt", &cert.pem()),
-            key_file: write("server.key", &key.serialize_pem()),
-            client_cert_file: write("client.crt", &client.pem()),
-            client_key_file: write("client.key", &client_key.serialize_pem()),
-            ca_der: ca.der().to_vec(),
+            ca_file: write(&dir, "ca.crt", &ca.pem()),
+            cert_file: write(&dir, "server.crt", &cert.pem()),
+            key_file: write(&dir, "server.key", &key.serialize_pem()),
+            client_cert_file,
+            client_key_file,
+            ca,
             dir,
         }
+    }
+
+    /// A client certificate from this CA with the common name `cn`, and its key, on disk
+    /// (`sslcert`, `sslkey`).
+    pub fn client_cert(&self, cn: &str) -> (PathBuf, PathBuf) {
+        client_certificate(&self.dir, &self.ca, cn)
     }
 
     /// The directory holding the files.
@@ -89,18 +115,19 @@ impl TestCerts {
 
     /// rustls' client configuration trusting this CA.
     pub fn client_config(&self) -> Arc<rustls::ClientConfig> {
+        Arc::new(self.client_config_builder().with_no_client_auth())
+    }
+
+    fn client_config_builder(
+        &self,
+    ) -> rustls::ConfigBuilder<rustls::ClientConfig, rustls::client::WantsClientCert> {
         let mut roots = rustls::RootCertStore::empty();
-        roots
-            .add(rustls::pki_types::CertificateDer::from(self.ca_der.clone()))
-            .expect("CA certificate");
+        roots.add(self.ca.der().clone()).expect("CA certificate");
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        Arc::new(
-            rustls::ClientConfig::builder_with_provider(provider)
-                .with_safe_default_protocol_versions()
-                .expect("TLS versions")
-                .with_root_certificates(roots)
-                .with_no_client_auth(),
-        )
+        rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .expect("TLS versions")
+            .with_root_certificates(roots)
     }
 
     /// Connects to `addr`, sends an SSLRequest, expects `S` and runs the handshake for
@@ -109,6 +136,34 @@ impl TestCerts {
         &self,
         addr: std::net::SocketAddr,
     ) -> rustls::StreamOwned<rustls::ClientConnection, TcpStream> {
+        self.connect_with(addr, self.client_config())
+    }
+
+    /// Like [`TestCerts::connect`], presenting the client certificate in `cert_file`
+    /// (its key in `key_file`).
+    pub fn connect_with_client_cert(
+        &self,
+        addr: std::net::SocketAddr,
+        cert_file: &Path,
+        key_file: &Path,
+    ) -> rustls::StreamOwned<rustls::ClientConnection, TcpStream> {
+        use rustls::pki_types::pem::PemObject;
+        let certs = rustls::pki_types::CertificateDer::pem_file_iter(cert_file)
+            .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+            .expect("client certificate");
+        let key = rustls::pki_types::PrivateKeyDer::from_pem_file(key_file).expect("client key");
+        let config = self
+            .client_config_builder()
+            .with_client_auth_cert(certs, key)
+            .expect("client certificate and key");
+        self.connect_with(addr, Arc::new(config))
+    }
+
+    fn connect_with(
+        &self,
+        addr: std::net::SocketAddr,
+        config: Arc<rustls::ClientConfig>,
+    ) -> rustls::StreamOwned<rustls::ClientConnection, TcpStream> {
         let mut tcp = TcpStream::connect(addr).expect("connect to pgfence");
         tcp.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         tcp.write_all(&crate::wire::ssl_request()).unwrap();
@@ -116,7 +171,7 @@ impl TestCerts {
         tcp.read_exact(&mut answer)
             .expect("an answer to SSLRequest");
         assert_eq!(answer[0], b'S', "pgfence accepts the SSLRequest");
-        self.handshake(tcp, self.client_config())
+        self.handshake(tcp, config)
             .expect("TLS handshake with pgfence")
     }
 

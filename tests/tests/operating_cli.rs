@@ -13,6 +13,7 @@ use harness::{free_port, ProxyProcess};
 /// Every flag of `pgfence` (serve): a new one must be added here, which is the reminder to
 /// document it (README, example file).
 const FLAGS: &[&str] = &[
+    "--client-tls-ca-file",
     "--client-tls-cert-file",
     "--client-tls-key-file",
     "--client-tls-sslmode",
@@ -45,6 +46,7 @@ const ENV: &[&str] = &[
     "PGFENCE_CLIENT_TLS_SSLMODE",
     "PGFENCE_CLIENT_TLS_CERT_FILE",
     "PGFENCE_CLIENT_TLS_KEY_FILE",
+    "PGFENCE_CLIENT_TLS_CA_FILE",
     "PGFENCE_UPSTREAM_SSLMODE",
     "PGFENCE_UPSTREAM_SSLROOTCERT",
     "PGFENCE_UPSTREAM_SSLCERT",
@@ -244,6 +246,33 @@ fn unusable_tls_settings_stop_the_binary() {
     let stderr = tls(&cert, &other.key_file.display().to_string());
     assert!(
         stderr.contains("does not go with the certificate in") && stderr.contains(&cert),
+        "{stderr}"
+    );
+    // The clients' CA: needed by the verify modes, and a file of CA certificates.
+    let verify = |mode: &str, ca: Option<&str>| {
+        let mut args = vec![
+            "--client-tls-sslmode",
+            mode,
+            "--client-tls-cert-file",
+            &cert,
+            "--client-tls-key-file",
+            &key,
+        ];
+        if let Some(ca) = ca {
+            args.extend(["--client-tls-ca-file", ca]);
+        }
+        refused(&args)
+    };
+    let stderr = verify("verify-full", None);
+    assert!(
+        stderr.contains("client_tls.sslmode = verify-full needs client_tls.ca_file"),
+        "{stderr}"
+    );
+    let stderr = verify("verify-ca", Some(&key));
+    assert!(
+        stderr.contains(&format!(
+            "client_tls.ca_file {key}: no usable CA certificate"
+        )),
         "{stderr}"
     );
 }

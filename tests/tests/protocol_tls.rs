@@ -25,6 +25,12 @@
 //! - [`psycopg_over_tls`]: the psycopg scripts (extended protocol, pipelining, COPY,
 //!   notifications, cancel, SCRAM login) through pgfence with `sslmode=require` and clients
 //!   on `verify-full`.
+//! - [`verify_modes_check_client_certificates`]: `verify-full` lets in a client whose
+//!   certificate, signed by a CA of `client_tls.ca_file`, names the user it logs in as;
+//!   refuses a certificate for another user (FATAL 28000, byte-exact), a client without a
+//!   certificate, one from another CA, and a plain login (FATAL 28000 naming the mode);
+//!   `verify-ca` checks the chain only; `require` with a CA file asks for a certificate
+//!   but lets in a client without one, and still refuses one from another CA.
 //! - [`reload_swaps_the_certificate`]: a client that does not trust the certificate shows
 //!   in pgfence's log (INFO, TLS handshake failed); RELOAD with a certificate from another CA
 //!   serves it to new clients; a key file that does not go with the certificate fails the reload and the
@@ -534,4 +540,113 @@ fn reload_swaps_the_certificate() {
         failed.stderr
     );
     psql_ok(port, &second.verify_full(), "SELECT 1");
+}
+
+/// libpq's TLS settings that verify pgfence and present the client certificate `cert`.
+fn with_cert(certs: &TestCerts, (cert, key): &(std::path::PathBuf, std::path::PathBuf)) -> String {
+    format!(
+        "{} sslcert={} sslkey={}",
+        certs.verify_full(),
+        harness::quote_conn_value(&cert.display().to_string()),
+        harness::quote_conn_value(&key.display().to_string())
+    )
+}
+
+#[test]
+fn verify_modes_check_client_certificates() {
+    let cluster = PgCluster::start();
+    cluster.psql(APP_DB, "CREATE ROLE alice LOGIN");
+    let certs = TestCerts::new("pgfence test CA");
+    let foreign = TestCerts::new("another CA");
+    let postgres_cert = (
+        certs.client_cert_file.clone(),
+        certs.client_key_file.clone(),
+    );
+    let alice_cert = certs.client_cert("alice");
+    let foreign_cert = (
+        foreign.client_cert_file.clone(),
+        foreign.client_key_file.clone(),
+    );
+    let as_alice = |port: u16, conn: &str| {
+        psql_conninfo(
+            port,
+            &format!("user=alice dbname={APP_DB} {conn}"),
+            "SELECT current_user",
+        )
+    };
+
+    let mut config = tls_config(&cluster, &certs, ClientSslMode::VerifyFull);
+    config.client_tls.ca_file = Some(certs.ca_file.clone());
+    let proxy = ProxyProcess::builder()
+        .config(config.clone())
+        .args(["--config", "{config}"])
+        .start();
+    let port = proxy.port();
+    // The certificate names the user: in, as with PostgreSQL's clientcert=verify-full.
+    assert_eq!(
+        psql_ok(port, &with_cert(&certs, &postgres_cert), "SELECT 1").trim(),
+        "1"
+    );
+    let alice = as_alice(port, &with_cert(&certs, &alice_cert));
+    assert!(alice.success(), "{}{}", alice.stderr, proxy.logs());
+    assert_eq!(alice.stdout.trim(), "alice");
+    // Alice's certificate does not make her postgres.
+    let other = psql(port, &with_cert(&certs, &alice_cert), "SELECT 1");
+    assert!(!other.success());
+    assert!(
+        other.stderr.contains(
+            "FATAL:  certificate authentication failed for user \"postgres\": the client certificate is for \"alice\" (client_tls.sslmode = verify-full)"
+        ),
+        "{}",
+        other.stderr
+    );
+    harness::operating::wait_for_log(&proxy, 0, "client certificate is not for the user");
+    // Byte-exact: one FATAL 28000, then the connection closes.
+    let (cert_pem, key_pem) = (&alice_cert.0, &alice_cert.1);
+    let mut raw = certs.connect_with_client_cert(proxy.addr(), cert_pem, key_pem);
+    raw.write_all(&wire::startup(SUPERUSER, APP_DB)).unwrap();
+    let refused = read_to_close(&mut raw);
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    wire::assert_error(&refused[0], "FATAL", "28000");
+    // No certificate, or one from a CA pgfence does not trust: the handshake fails.
+    let logs_before = proxy.logs().len();
+    assert!(!psql(port, &certs.verify_full(), "SELECT 1").success());
+    harness::operating::wait_for_log(&proxy, logs_before, "TLS handshake with the client failed");
+    let logs_before = proxy.logs().len();
+    assert!(!psql(port, &with_cert(&certs, &foreign_cert), "SELECT 1").success());
+    harness::operating::wait_for_log(&proxy, logs_before, "TLS handshake with the client failed");
+    // Plain TCP: refused, naming the mode.
+    let plain = psql(port, "sslmode=disable", "SELECT 1");
+    assert!(
+        plain.stderr.contains(
+            "FATAL:  pgfence requires TLS from its clients (client_tls.sslmode = verify-full)"
+        ) && plain.stderr.contains("client_tls.ca_file"),
+        "{}",
+        plain.stderr
+    );
+    drop(proxy);
+
+    // verify-ca: the chain is checked, the name is not.
+    config.client_tls.sslmode = ClientSslMode::VerifyCa;
+    let proxy = Proxy::start(config.clone());
+    let port = proxy.port();
+    assert_eq!(
+        psql_ok(port, &with_cert(&certs, &alice_cert), "SELECT current_user").trim(),
+        SUPERUSER
+    );
+    assert!(!psql(port, &certs.verify_full(), "SELECT 1").success());
+    assert!(!psql(port, &with_cert(&certs, &foreign_cert), "SELECT 1").success());
+    drop(proxy);
+
+    // require with a CA file: a certificate is asked for, not required; one that is sent
+    // must chain to the CA.
+    config.client_tls.sslmode = ClientSslMode::Require;
+    let proxy = Proxy::start(config);
+    let port = proxy.port();
+    assert_eq!(psql_ok(port, &certs.verify_full(), "SELECT 1").trim(), "1");
+    assert_eq!(
+        psql_ok(port, &with_cert(&certs, &alice_cert), "SELECT 2").trim(),
+        "2"
+    );
+    assert!(!psql(port, &with_cert(&certs, &foreign_cert), "SELECT 1").success());
 }

@@ -242,6 +242,7 @@ async fn run_session(
         _ => None,
     };
     let mut tls = None;
+    let mut client_cn = None;
     let startup = loop {
         // The TLS handshake and the startup packet share the startup timeout.
         let left = startup_until.saturating_duration_since(Instant::now());
@@ -273,7 +274,12 @@ async fn run_session(
             Err(_) => return Err(SessionError::StartupTimeout(config.limits.startup_timeout)),
         };
         tls = client.tls();
-        debug!(tls = tls.as_deref(), "TLS established");
+        client_cn = client.tls_peer_common_name();
+        debug!(
+            tls = tls.as_deref(),
+            certificate_cn = client_cn.as_deref(),
+            "TLS established"
+        );
     };
     let (startup, packet_len) = match startup {
         Ok(Opening::Startup(s, n)) => (s, n),
@@ -293,11 +299,23 @@ async fn run_session(
         }
         Err(e) => return tell_client(&mut client, e).await,
     };
-    if tls.is_none()
-        && config.client_tls.sslmode == pgfence_config::ClientSslMode::Require
-        && matches!(peer, ClientAddr::Tcp(_))
-    {
-        return tell_client(&mut client, SessionError::TlsRequired).await;
+    let tls_mode = config.client_tls.sslmode;
+    if tls.is_none() && tls_mode.requires_tls() && matches!(peer, ClientAddr::Tcp(_)) {
+        return tell_client(&mut client, SessionError::TlsRequired(tls_mode)).await;
+    }
+    if tls.is_some() && tls_mode == pgfence_config::ClientSslMode::VerifyFull {
+        // The handshake checked the chain (verify-ca); verify-full also binds the
+        // certificate to the user, as PostgreSQL's clientcert=verify-full.
+        let cn = client_cn.unwrap_or_default();
+        if cn != startup.user() {
+            let user = startup.user();
+            info!(client = %peer, %user, certificate_cn = %cn, "client certificate is not for the user");
+            return tell_client(
+                &mut client,
+                SessionError::CertificateUserMismatch { user, cn },
+            )
+            .await;
+        }
     }
     if let Some(limit) = shared.too_many_clients(&config) {
         return tell_client(&mut client, SessionError::TooManyClients(limit)).await;
