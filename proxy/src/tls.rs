@@ -595,10 +595,23 @@ mod tests {
             + 'static,
     ) -> (Stream, std::thread::JoinHandle<()>) {
         let (server_config, client_config) = configs();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        // Small fixed socket buffers on both ends (which turns the kernel's autotuning
+        // off): with tcp_rmem up to 32 MiB, as on this machine, a client's receive buffer
+        // could otherwise take everything a test sends, and a socket that must fill would
+        // not. pgfence's side inherits the listener's send buffer size.
+        const BUFFER: u32 = 64 << 10;
+        let listening = tokio::net::TcpSocket::new_v4().unwrap();
+        listening.set_send_buffer_size(BUFFER).unwrap();
+        listening.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let listener = listening.listen(16).unwrap();
         let addr = listener.local_addr().unwrap();
+        let connecting = tokio::net::TcpSocket::new_v4().unwrap();
+        connecting.set_recv_buffer_size(BUFFER).unwrap();
+        let (connected, accepted) = tokio::join!(connecting.connect(addr), listener.accept());
+        let tcp = connected.unwrap().into_std().unwrap();
+        tcp.set_nonblocking(false).unwrap();
         let thread = std::thread::spawn(move || {
-            let mut tcp = std::net::TcpStream::connect(addr).unwrap();
+            let mut tcp = tcp;
             let mut s = [0u8; 1];
             std::io::Read::read_exact(&mut tcp, &mut s).unwrap();
             assert_eq!(&s, b"S");
@@ -606,7 +619,7 @@ mod tests {
             let conn = rustls::ClientConnection::new(client_config, name).unwrap();
             client(rustls::StreamOwned::new(conn, tcp));
         });
-        let (tcp, _) = listener.accept().await.unwrap();
+        let (tcp, _) = accepted.unwrap();
         let stream = Stream::Tcp(tcp)
             .accept_tls(server_config, None)
             .await
