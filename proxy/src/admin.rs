@@ -172,6 +172,7 @@ pub fn answer(shared: &Shared, sql: &[u8], out: &mut BytesMut) -> Answer {
                         c.backend_pid.to_string(),
                         time(c.connected_at),
                         c.tls.unwrap_or_default(),
+                        c.certificate_cn.unwrap_or_default(),
                     ]
                 })
                 .collect();
@@ -186,6 +187,7 @@ pub fn answer(shared: &Shared, sql: &[u8], out: &mut BytesMut) -> Answer {
                     "backend_pid",
                     "connected_at",
                     "tls",
+                    "certificate_cn",
                 ],
                 &rows,
                 "SHOW",

@@ -2,11 +2,18 @@
 //! that carries it is forwarded to the upstream backend that serves that client, with the
 //! upstream's real key. An unknown key does nothing, as in PostgreSQL.
 //!
+//! A cancel for a session whose server connection uses TLS goes to the server over TLS too
+//! (as libpq 17 sends it), so the backend's key never crosses the network in plain text.
+//!
 //! The registry also maps a backend back to the pid its client was given, so that a
 //! notification names its sender as that sender's client knows it (see
 //! [`CancelRegistry::client_pid`]).
 
+use std::fmt;
+use std::sync::Arc;
+
 use dashmap::DashMap;
+use pgfence_config::UpstreamSslMode;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpStream, UnixStream};
 
@@ -18,6 +25,28 @@ pub struct CancelTarget {
     pub upstream: UpstreamAddr,
     pub pid: i32,
     pub key: i32,
+    /// The session's server connection uses TLS: so does its cancel.
+    pub tls: Option<CancelTls>,
+}
+
+/// How to reach the server over TLS for a cancel: what the session's connection used.
+#[derive(Clone)]
+pub struct CancelTls {
+    pub config: Arc<rustls::ClientConfig>,
+    /// The name the server's certificate is checked against (`upstream.host`).
+    pub host: String,
+    /// `upstream.sslmode` when the session started: only `prefer` lets a server that
+    /// declines TLS have the cancel in plain TCP.
+    pub sslmode: UpstreamSslMode,
+}
+
+impl fmt::Debug for CancelTls {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CancelTls")
+            .field("host", &self.host)
+            .field("sslmode", &self.sslmode)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Live sessions by the key pgfence gave their client.
@@ -74,9 +103,13 @@ pub async fn send_cancel(target: CancelTarget) -> std::io::Result<()> {
     packet[4..8].copy_from_slice(&80877102u32.to_be_bytes());
     packet[8..12].copy_from_slice(&target.pid.to_be_bytes());
     packet[12..16].copy_from_slice(&target.key.to_be_bytes());
-    let mut stream = match &target.upstream {
-        UpstreamAddr::Tcp(addr) => Stream::Tcp(TcpStream::connect(addr).await?),
-        UpstreamAddr::Unix(path) => Stream::Unix(UnixStream::connect(path).await?),
+    let mut stream = match (&target.upstream, target.tls) {
+        (UpstreamAddr::Tcp(addr), None) => Stream::Tcp(TcpStream::connect(addr).await?),
+        (UpstreamAddr::Tcp(addr), Some(tls)) => {
+            let s = TcpStream::connect(addr).await?;
+            Stream::start_tls(s, tls.config, &tls.host, tls.sslmode).await?
+        }
+        (UpstreamAddr::Unix(path), _) => Stream::Unix(UnixStream::connect(path).await?),
     };
     stream.write_all(&packet).await?;
     stream.shutdown().await
@@ -85,12 +118,121 @@ pub async fn send_cancel(target: CancelTarget) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::AsyncReadExt;
+    use tokio::net::TcpListener;
+
+    /// A CancelRequest for pid 4242, key 7.
+    const CANCEL_4242: [u8; 16] = [0, 0, 0, 16, 4, 210, 22, 46, 0, 0, 16, 146, 0, 0, 0, 7];
+
+    /// What a fake server received on its one connection.
+    #[derive(Debug, PartialEq, Eq)]
+    enum Received {
+        /// Bytes in plain TCP, with no SSLRequest first.
+        Plain(Vec<u8>),
+        /// An SSLRequest, then (after `N`) these bytes in plain TCP.
+        Declined(Vec<u8>),
+        /// An SSLRequest, then these bytes inside TLS.
+        Tls(Vec<u8>),
+    }
+
+    /// A server on a free port that answers an SSLRequest with `answer` (`S`: then runs
+    /// the TLS handshake with pgfence's own acceptor, as the server's end).
+    async fn fake_server(
+        answer: u8,
+        server_tls: Arc<rustls::ServerConfig>,
+    ) -> (u16, tokio::task::JoinHandle<Received>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let task = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut first = [0u8; 8];
+            s.read_exact(&mut first).await.unwrap();
+            let mut rest = Vec::new();
+            if first != crate::protocol::startup::SSL_REQUEST_PACKET {
+                rest.extend_from_slice(&first);
+                s.read_to_end(&mut rest).await.unwrap();
+                return Received::Plain(rest);
+            }
+            if answer == b'S' {
+                let mut tls = Stream::Tcp(s).accept_tls(server_tls, None).await.unwrap();
+                tls.read_to_end(&mut rest).await.unwrap();
+                Received::Tls(rest)
+            } else {
+                s.write_all(&[answer]).await.unwrap();
+                s.read_to_end(&mut rest).await.unwrap();
+                Received::Declined(rest)
+            }
+        });
+        (port, task)
+    }
+
+    fn tls_target(
+        port: u16,
+        sslmode: UpstreamSslMode,
+        client_tls: Arc<rustls::ClientConfig>,
+    ) -> CancelTarget {
+        CancelTarget {
+            tls: Some(CancelTls {
+                config: client_tls,
+                host: "localhost".to_string(),
+                sslmode,
+            }),
+            ..target(port, 4242)
+        }
+    }
+
+    /// A plain session's cancel is the 16-byte CancelRequest in plain TCP; a TLS session's
+    /// goes over TLS (the server reads it from the TLS stream, and nothing in plain text).
+    #[tokio::test]
+    async fn a_cancel_uses_tls_when_its_session_does() {
+        let (server_tls, client_tls) = crate::tls::tests::configs();
+        let (port, server) = fake_server(b'S', server_tls.clone()).await;
+        send_cancel(target(port, 4242)).await.unwrap();
+        assert_eq!(server.await.unwrap(), Received::Plain(CANCEL_4242.to_vec()));
+
+        let (port, server) = fake_server(b'S', server_tls).await;
+        send_cancel(tls_target(port, UpstreamSslMode::Require, client_tls))
+            .await
+            .unwrap();
+        assert_eq!(server.await.unwrap(), Received::Tls(CANCEL_4242.to_vec()));
+    }
+
+    /// A server that declines TLS gets no cancel in plain text unless `upstream.sslmode`
+    /// is `prefer`.
+    #[tokio::test]
+    async fn a_server_declining_tls_gets_the_cancel_only_under_prefer() {
+        let (server_tls, client_tls) = crate::tls::tests::configs();
+        let (port, server) = fake_server(b'N', server_tls.clone()).await;
+        let err = send_cancel(tls_target(
+            port,
+            UpstreamSslMode::Require,
+            client_tls.clone(),
+        ))
+        .await
+        .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("the server does not support TLS, and upstream.sslmode = require"),
+            "{err}"
+        );
+        assert_eq!(server.await.unwrap(), Received::Declined(Vec::new()));
+
+        let (port, server) = fake_server(b'N', server_tls).await;
+        send_cancel(tls_target(port, UpstreamSslMode::Prefer, client_tls))
+            .await
+            .unwrap();
+        assert_eq!(
+            server.await.unwrap(),
+            Received::Declined(CANCEL_4242.to_vec())
+        );
+    }
 
     fn target(port: u16, pid: i32) -> CancelTarget {
         CancelTarget {
             upstream: UpstreamAddr::Tcp(([127, 0, 0, 1], port).into()),
             pid,
             key: 7,
+            tls: None,
         }
     }
 

@@ -92,31 +92,38 @@ impl Stream {
         upstream: &Upstream,
         tls: Option<Arc<rustls::ClientConfig>>,
     ) -> io::Result<Stream> {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
         if let Some(path) = upstream.socket_path() {
             return Ok(Stream::Unix(UnixStream::connect(path).await?));
         }
-        let mut s = TcpStream::connect((upstream.host.as_str(), upstream.port)).await?;
+        let s = TcpStream::connect((upstream.host.as_str(), upstream.port)).await?;
         let _ = s.set_nodelay(true);
-        let Some(tls) = tls else {
-            return Ok(Stream::Tcp(s));
-        };
+        match tls {
+            None => Ok(Stream::Tcp(s)),
+            Some(tls) => Stream::start_tls(s, tls, &upstream.host, upstream.sslmode).await,
+        }
+    }
+
+    /// Asks the server at the other end of `s` for TLS (SSLRequest) and runs the handshake,
+    /// checking the certificate against `host` as `tls` says. A server that declines is
+    /// used over plain TCP only when `sslmode` is `prefer`.
+    pub async fn start_tls(
+        mut s: TcpStream,
+        tls: Arc<rustls::ClientConfig>,
+        host: &str,
+        sslmode: pgfence_config::UpstreamSslMode,
+    ) -> io::Result<Stream> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
         s.write_all(&crate::protocol::startup::SSL_REQUEST_PACKET)
             .await?;
         match s.read_u8().await? {
             b'S' => {
-                let tls = TlsStream::connect(s, tls, &upstream.host).await?;
+                let tls = TlsStream::connect(s, tls, host).await?;
                 Ok(Stream::Tls(Box::new(tls)))
             }
-            b'N' if upstream.sslmode == pgfence_config::UpstreamSslMode::Prefer => {
-                Ok(Stream::Tcp(s))
-            }
+            b'N' if sslmode == pgfence_config::UpstreamSslMode::Prefer => Ok(Stream::Tcp(s)),
             b'N' => Err(io::Error::new(
                 io::ErrorKind::ConnectionRefused,
-                format!(
-                    "the server does not support TLS, and upstream.sslmode = {}",
-                    upstream.sslmode
-                ),
+                format!("the server does not support TLS, and upstream.sslmode = {sslmode}"),
             )),
             other => Err(io::Error::new(
                 io::ErrorKind::InvalidData,

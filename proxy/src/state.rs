@@ -286,6 +286,8 @@ pub struct ClientInfo {
     pub addr: String,
     /// TLS protocol and cipher suite (`TLSv1_3/TLS13_AES_256_GCM_SHA384`), if any.
     pub tls: Option<String>,
+    /// The common name of the client's TLS certificate, if it sent one.
+    pub certificate_cn: Option<String>,
     pub user: String,
     pub database: String,
     pub application_name: String,

@@ -552,13 +552,13 @@ pub(crate) fn pending(conn: &Mutex<rustls::Connection>) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::net::Stream;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     /// A self-signed certificate for `localhost`, and configurations for both ends.
-    fn configs() -> (Arc<rustls::ServerConfig>, Arc<rustls::ClientConfig>) {
+    pub(crate) fn configs() -> (Arc<rustls::ServerConfig>, Arc<rustls::ClientConfig>) {
         let key = rcgen::KeyPair::generate().unwrap();
         let cert = rcgen::CertificateParams::new(vec!["localhost".to_string()])
             .unwrap()

@@ -398,7 +398,8 @@ async fn simple_query_columns_and_content() {
             "application_name",
             "backend_pid",
             "connected_at",
-            "tls"
+            "tls",
+            "certificate_cn"
         ]
     );
     let records = clients.records();
@@ -410,6 +411,7 @@ async fn simple_query_columns_and_content() {
     assert_eq!(mine[0]["addr"], addr);
     assert_eq!(mine[0]["user"], SUPERUSER);
     assert_eq!(mine[0]["tls"], "", "a plain connection");
+    assert_eq!(mine[0]["certificate_cn"], "", "no certificate");
     assert_eq!(mine[0]["database"], APP_DB);
     assert_eq!(mine[0]["backend_pid"], pid);
     assert!(mine[0]["id"].parse::<u64>().is_ok(), "{:?}", mine[0]);

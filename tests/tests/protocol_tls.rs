@@ -29,7 +29,8 @@
 //!   certificate, signed by a CA of `client_tls.ca_file`, names the user it logs in as;
 //!   refuses a certificate for another user (FATAL 28000, byte-exact), a client without a
 //!   certificate, one from another CA, and a plain login (FATAL 28000 naming the mode);
-//!   `verify-ca` checks the chain only; `require` with a CA file asks for a certificate
+//!   `verify-ca` checks the chain only, and `SHOW CLIENTS` shows each session's
+//!   certificate CN; `require` with a CA file asks for a certificate
 //!   but lets in a client without one, and still refuses one from another CA.
 //! - [`reload_swaps_the_certificate`]: a client that does not trust the certificate shows
 //!   in pgfence's log (INFO, TLS handshake failed); RELOAD with a certificate from another CA
@@ -577,6 +578,7 @@ fn verify_modes_check_client_certificates() {
 
     let mut config = tls_config(&cluster, &certs, ClientSslMode::VerifyFull);
     config.client_tls.ca_file = Some(certs.ca_file.clone());
+    config.admin.users = vec![SUPERUSER.into()];
     let proxy = ProxyProcess::builder()
         .config(config.clone())
         .args(["--config", "{config}"])
@@ -636,6 +638,26 @@ fn verify_modes_check_client_certificates() {
     );
     assert!(!psql(port, &certs.verify_full(), "SELECT 1").success());
     assert!(!psql(port, &with_cert(&certs, &foreign_cert), "SELECT 1").success());
+    // SHOW CLIENTS names the certificate a session sent (last column).
+    let mut open = certs.connect_with_client_cert(proxy.addr(), cert_pem, key_pem);
+    open.write_all(&wire::startup(SUPERUSER, APP_DB)).unwrap();
+    let login = read_until_ready(&mut open);
+    assert!(login.iter().any(|m| m.tag == b'K'), "{login:?}");
+    let console = format!("{} dbname=pgfence", with_cert(&certs, &postgres_cert));
+    let clients = psql_ok(port, &console, "SHOW CLIENTS");
+    assert!(
+        clients
+            .lines()
+            .any(|l| l.contains(&format!("|{SUPERUSER}|{APP_DB}|")) && l.ends_with("|alice")),
+        "the session with alice's certificate:\n{clients}"
+    );
+    assert!(
+        clients
+            .lines()
+            .any(|l| l.contains("|pgfence|") && l.ends_with(&format!("|{SUPERUSER}"))),
+        "the console with postgres's certificate:\n{clients}"
+    );
+    drop(open);
     drop(proxy);
 
     // require with a CA file: a certificate is asked for, not required; one that is sent

@@ -153,8 +153,8 @@ async fn server_connections_use_tls() {
         cluster.psql(APP_DB, "SELECT count(*) FROM charges").trim(),
         "2"
     );
-    // A cancel request reaches the TLS session's backend (sent to the server in plain TCP,
-    // which PostgreSQL serves before it reads pg_hba.conf).
+    // A cancel request reaches the TLS session's backend (sent to the server over TLS;
+    // `cancel::tests` shows the bytes on the wire).
     let next = harness::fence::cancelled_sleep(next).await;
     assert!(backend_ssl(&next).await.0);
 

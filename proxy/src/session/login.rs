@@ -70,6 +70,7 @@ impl Session {
                     upstream: self.upstream.clone(),
                     pid,
                     key,
+                    tls: self.cancel_tls.clone(),
                 });
                 self.client_key = Some((cpid, ckey));
                 crate::protocol::message::backend_key_data(&mut self.to_client, cpid, ckey);
@@ -89,6 +90,7 @@ impl Session {
                     ClientInfo {
                         addr: self.client_addr.clone(),
                         tls: self.tls.clone(),
+                        certificate_cn: self.client_cn.clone(),
                         user: self.user.clone(),
                         database: self.database.clone(),
                         application_name: self.application_name.clone(),

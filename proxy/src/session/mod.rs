@@ -288,7 +288,11 @@ async fn run_session(
         Ok(Opening::Cancel { pid, key }) => {
             match shared.cancel.lookup(pid, key) {
                 Some(target) => {
-                    debug!(backend_pid = target.pid, "forwarding cancel request");
+                    debug!(
+                        backend_pid = target.pid,
+                        tls = target.tls.is_some(),
+                        "forwarding cancel request"
+                    );
                     if let Err(e) = cancel::send_cancel(target).await {
                         warn!(error = %e, client = %peer, "cannot forward cancel request to upstream");
                     }
@@ -306,7 +310,7 @@ async fn run_session(
     if tls.is_some() && tls_mode == pgfence_config::ClientSslMode::VerifyFull {
         // The handshake checked the chain (verify-ca); verify-full also binds the
         // certificate to the user, as PostgreSQL's clientcert=verify-full.
-        let cn = client_cn.unwrap_or_default();
+        let cn = client_cn.clone().unwrap_or_default();
         if cn != startup.user() {
             let user = startup.user();
             info!(client = %peer, %user, certificate_cn = %cn, "client certificate is not for the user");
@@ -382,9 +386,19 @@ async fn run_session(
     let _upstream = scopeguard(|| {
         shared.metrics.upstream_connections.dec();
     });
+    let (upstream_host, upstream_sslmode) = (config.upstream.host.clone(), config.upstream.sslmode);
     let mut session = Session::new(shared.clone(), config, id, peer, &startup, upstream_addr);
     session.tls = tls;
+    session.client_cn = client_cn;
     session.upstream_tls = server.tls().is_some();
+    if session.upstream_tls {
+        // Its cancel requests go over TLS too (see `crate::cancel`).
+        session.cancel_tls = shared.upstream_tls().map(|tls| cancel::CancelTls {
+            config: tls,
+            host: upstream_host,
+            sslmode: upstream_sslmode,
+        });
+    }
     if admin {
         // The console logs in to the upstream server, which checks the password.
         session.admin = true;
@@ -434,6 +448,8 @@ pub(crate) struct Session {
     client_addr: String,
     /// The client's TLS protocol and cipher suite, if it uses TLS.
     tls: Option<String>,
+    /// The common name of the client's certificate, if it sent one.
+    client_cn: Option<String>,
     user: String,
     database: String,
     application_name: String,
@@ -491,6 +507,9 @@ pub(crate) struct Session {
     /// The server connection uses TLS: the server's `SCRAM-SHA-256-PLUS` is hidden from
     /// the client, since channel binding cannot pass through pgfence.
     upstream_tls: bool,
+    /// How this session's cancel requests reach the server over TLS, when its connection
+    /// uses TLS.
+    cancel_tls: Option<cancel::CancelTls>,
     /// SCRAM-SHA-256-PLUS was hidden and the client's SASLInitialResponse is still to come.
     plus_hidden: bool,
     /// The client closed in the middle of a message.
@@ -519,6 +538,7 @@ impl Session {
             admin: false,
             client_addr: peer.to_string(),
             tls: None,
+            client_cn: None,
             user,
             database,
             application_name,
@@ -548,6 +568,7 @@ impl Session {
             login: LoginReply::default(),
             reusable_login: true,
             upstream_tls: false,
+            cancel_tls: None,
             plus_hidden: false,
             client_left_mid_message: false,
         }
