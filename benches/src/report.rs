@@ -501,7 +501,9 @@ pub fn markdown(r: &Report) -> String {
         e.postgres,
         e.server,
         e.pgbench,
-        e.pgbouncer.as_deref().unwrap_or("PgBouncer not installed"),
+        e.pgbouncer
+            .as_deref()
+            .unwrap_or("PgBouncer not run (not installed, or not in --configs)"),
         e.pgfence_git.as_deref().unwrap_or("unknown commit"),
         e.pgfence_threads,
         e.proxy_upstream,
