@@ -248,7 +248,8 @@ pub struct Limits {
     /// How long a client may take to send its startup packet. Default `15s`.
     #[serde(with = "humantime_serde")]
     pub startup_timeout: Duration,
-    /// How long connecting to the upstream may take. Default `10s`.
+    /// How long connecting to the upstream may take (for a session, or to forward a cancel
+    /// request, TLS handshake included). Default `10s`.
     #[serde(with = "humantime_serde")]
     pub connect_timeout: Duration,
     /// On SIGTERM, how long sessions may take to finish before they are closed. Default `30s`.
