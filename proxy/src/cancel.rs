@@ -11,6 +11,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use dashmap::DashMap;
 use pgfence_config::UpstreamSslMode;
@@ -96,6 +97,17 @@ impl CancelRegistry {
     }
 }
 
+/// Forwards a client's cancel for `target`, connecting (TLS handshake included) within
+/// `limit` (`limits.connect_timeout`), so that a server that never answers does not keep
+/// the task; what went wrong, for the log.
+pub async fn forward(target: CancelTarget, limit: Duration) -> Result<(), String> {
+    match crate::deadline::timeout(limit, send_cancel(target)).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!("timed out after {limit:?}")),
+    }
+}
+
 /// Sends a CancelRequest for `target` to its upstream server.
 pub async fn send_cancel(target: CancelTarget) -> std::io::Result<()> {
     let mut packet = [0u8; 16];
@@ -133,10 +145,16 @@ mod tests {
         Declined(Vec<u8>),
         /// An SSLRequest, then these bytes inside TLS.
         Tls(Vec<u8>),
+        /// An SSLRequest left unanswered, then these bytes before the client went away.
+        Unanswered(Vec<u8>),
     }
 
+    /// No answer to the SSLRequest: the server holds the connection without a word.
+    const SILENT: u8 = 0;
+
     /// A server on a free port that answers an SSLRequest with `answer` (`S`: then runs
-    /// the TLS handshake with pgfence's own acceptor, as the server's end).
+    /// the TLS handshake with pgfence's own acceptor, as the server's end; [`SILENT`]:
+    /// nothing).
     async fn fake_server(
         answer: u8,
         server_tls: Arc<rustls::ServerConfig>,
@@ -157,6 +175,9 @@ mod tests {
                 let mut tls = Stream::Tcp(s).accept_tls(server_tls, None).await.unwrap();
                 tls.read_to_end(&mut rest).await.unwrap();
                 Received::Tls(rest)
+            } else if answer == SILENT {
+                s.read_to_end(&mut rest).await.unwrap();
+                Received::Unanswered(rest)
             } else {
                 s.write_all(&[answer]).await.unwrap();
                 s.read_to_end(&mut rest).await.unwrap();
@@ -259,5 +280,30 @@ mod tests {
         registry.unregister(second.0, second.1);
         assert_eq!(registry.client_pid(&upstream, 100), None);
         assert!(registry.lookup(first.0, first.1).is_none());
+    }
+
+    /// A server that takes the connection and never answers the SSLRequest: forwarding
+    /// gives up after the limit instead of waiting for ever.
+    #[tokio::test]
+    async fn forwarding_to_a_silent_server_gives_up_after_the_limit() {
+        let (server_tls, client_tls) = crate::tls::tests::configs();
+        let (port, server) = fake_server(SILENT, server_tls).await;
+        let started = std::time::Instant::now();
+        let limit = Duration::from_millis(300);
+        // The test's own bound, so that a forward that never gives up fails instead of
+        // hanging the suite.
+        let forwarding = forward(
+            tls_target(port, UpstreamSslMode::Require, client_tls),
+            limit,
+        );
+        let err = tokio::time::timeout(Duration::from_secs(5), forwarding)
+            .await
+            .expect("forward gives up by itself")
+            .unwrap_err();
+        let took = started.elapsed();
+        assert_eq!(err, "timed out after 300ms");
+        assert!(took >= limit && took < Duration::from_secs(5), "{took:?}");
+        // It asked for TLS, waited, gave up, and sent nothing else.
+        assert_eq!(server.await.unwrap(), Received::Unanswered(Vec::new()));
     }
 }

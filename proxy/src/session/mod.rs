@@ -293,17 +293,9 @@ async fn run_session(
                         tls = target.tls.is_some(),
                         "forwarding cancel request"
                     );
-                    // Connecting (and the TLS handshake) within the connect timeout: a
-                    // server that never answers does not keep the task.
                     let limit = config.limits.connect_timeout;
-                    match crate::deadline::timeout(limit, cancel::send_cancel(target)).await {
-                        Ok(Ok(())) => {}
-                        Ok(Err(e)) => {
-                            warn!(error = %e, client = %peer, "cannot forward cancel request to upstream");
-                        }
-                        Err(_) => {
-                            warn!(client = %peer, "cannot forward cancel request to upstream: timed out after {limit:?}");
-                        }
+                    if let Err(e) = cancel::forward(target, limit).await {
+                        warn!(error = %e, client = %peer, "cannot forward cancel request to upstream");
                     }
                 }
                 None => debug!("cancel request with an unknown key ignored"),
