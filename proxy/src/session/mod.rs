@@ -387,19 +387,23 @@ async fn run_session(
     let _upstream = scopeguard(|| {
         shared.metrics.upstream_connections.dec();
     });
-    let (upstream_host, upstream_sslmode) = (config.upstream.host.clone(), config.upstream.sslmode);
+    // A session on a TLS server connection sends its cancel requests over TLS too (see
+    // `crate::cancel`).
+    let upstream_tls = matches!(server, Stream::Tls(_));
+    let cancel_tls = if upstream_tls {
+        shared.upstream_tls().map(|tls| cancel::CancelTls {
+            config: tls,
+            host: config.upstream.host.clone(),
+            sslmode: config.upstream.sslmode,
+        })
+    } else {
+        None
+    };
     let mut session = Session::new(shared.clone(), config, id, peer, &startup, upstream_addr);
     session.tls = tls;
     session.client_cn = client_cn;
-    session.upstream_tls = server.tls().is_some();
-    if session.upstream_tls {
-        // Its cancel requests go over TLS too (see `crate::cancel`).
-        session.cancel_tls = shared.upstream_tls().map(|tls| cancel::CancelTls {
-            config: tls,
-            host: upstream_host,
-            sslmode: upstream_sslmode,
-        });
-    }
+    session.upstream_tls = upstream_tls;
+    session.cancel_tls = cancel_tls;
     if admin {
         // The console logs in to the upstream server, which checks the password.
         session.admin = true;
