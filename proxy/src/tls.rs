@@ -202,16 +202,21 @@ impl rustls::client::danger::ServerCertVerifier for ServerVerifier {
     }
 }
 
+/// Every certificate in the PEM file `path`; an error names the setting, the file and
+/// `what` could not be read.
+fn read_certificates(
+    path: &std::path::Path,
+    setting: &str,
+    what: &str,
+) -> Result<Vec<CertificateDer<'static>>, String> {
+    CertificateDer::pem_file_iter(path)
+        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| format!("{setting} {}: cannot read {what}: {e}", path.display()))
+}
+
 /// The CA certificates of a PEM file; errors name the setting and the file.
 fn read_roots(path: &std::path::Path, setting: &str) -> Result<Arc<rustls::RootCertStore>, String> {
-    let certs = CertificateDer::pem_file_iter(path)
-        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-        .map_err(|e| {
-            format!(
-                "{setting} {}: cannot read PEM certificates: {e}",
-                path.display()
-            )
-        })?;
+    let certs = read_certificates(path, setting, "PEM certificates")?;
     let mut roots = rustls::RootCertStore::empty();
     let (added, _) = roots.add_parsable_certificates(certs);
     if added == 0 {
@@ -230,14 +235,7 @@ fn read_identity(
     cert_setting: &str,
     key_setting: &str,
 ) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), String> {
-    let certs = CertificateDer::pem_file_iter(cert_file)
-        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-        .map_err(|e| {
-            format!(
-                "{cert_setting} {}: cannot read a PEM certificate: {e}",
-                cert_file.display()
-            )
-        })?;
+    let certs = read_certificates(cert_file, cert_setting, "a PEM certificate")?;
     if certs.is_empty() {
         return Err(format!(
             "{cert_setting} {}: no certificate in the file (expected -----BEGIN CERTIFICATE-----)",
