@@ -1,12 +1,15 @@
 //! The admin console, in the PgBouncer tradition: connect to the virtual database `pgfence`
 //! on the proxy port (as a user listed in `admin.users`; the password is checked by the
-//! upstream server) and run `SHOW FENCES`, `SHOW REJECTIONS`, `SHOW CLIENTS`, `SHOW STATS`,
-//! `SHOW CONFIG`, `RELOAD`, `SHOW HELP`. Simple query protocol only (psql, `simple_query`).
+//! upstream server) and run `SHOW FENCES`, `SHOW REJECTIONS`, `SHOW CLIENTS`, `SHOW SERVERS`,
+//! `SHOW STATS`, `SHOW CONFIG`, `SHOW VERSION`, `RELOAD`, `KILL_CLIENT id`, `SHOW HELP`.
+//! Simple query protocol only (psql, `simple_query`).
 
 use std::sync::atomic::Ordering;
 use std::time::SystemTime;
 
 use bytes::{BufMut, BytesMut};
+
+use tracing::info;
 
 use crate::protocol::message::{self as msg, ErrorMessage};
 use crate::state::Shared;
@@ -28,7 +31,10 @@ pub enum Command {
     Servers,
     Stats,
     Config,
+    Version,
     Reload,
+    /// End the session with this id (`SHOW CLIENTS`), as PgBouncer's `KILL_CLIENT`.
+    KillClient(u64),
     /// An empty query string.
     Empty,
 }
@@ -53,7 +59,16 @@ impl Command {
             ["SHOW", "SERVERS"] => Command::Servers,
             ["SHOW", "STATS"] => Command::Stats,
             ["SHOW", "CONFIG"] => Command::Config,
+            ["SHOW", "VERSION"] => Command::Version,
             ["RELOAD"] => Command::Reload,
+            ["KILL_CLIENT", id] => match id.parse() {
+                Ok(id) => Command::KillClient(id),
+                Err(_) => {
+                    return Err(format!(
+                        "KILL_CLIENT takes a client id from SHOW CLIENTS, not {id:?}"
+                    ))
+                }
+            },
             _ => return Err(format!("unknown admin command {text:?}: try SHOW HELP")),
         })
     }
@@ -83,16 +98,21 @@ const HELP: &[(&str, &str)] = &[
     ),
     ("SHOW STATS", "counters since pgfence started"),
     ("SHOW CONFIG", "the configuration in force"),
+    ("SHOW VERSION", "pgfence's version"),
     (
         "RELOAD",
         "read the configuration file again (also on SIGHUP)",
     ),
+    (
+        "KILL_CLIENT id",
+        "end a client's session now (id from SHOW CLIENTS); an open transaction rolls back",
+    ),
     ("SHOW HELP", "this list"),
 ];
 
-/// Answers one console query into `out` (ending with ReadyForQuery), or says to ask the
-/// upstream server.
-pub fn answer(shared: &Shared, sql: &[u8], out: &mut BytesMut) -> Answer {
+/// Answers one console query of user `admin` into `out` (ending with ReadyForQuery), or
+/// says to ask the upstream server.
+pub fn answer(shared: &Shared, admin: &str, sql: &[u8], out: &mut BytesMut) -> Answer {
     let command = match Command::parse(sql) {
         Ok(c) => c,
         Err(message) => {
@@ -251,6 +271,31 @@ pub fn answer(shared: &Shared, sql: &[u8], out: &mut BytesMut) -> Answer {
             }
             table(out, &["key", "value"], &rows, "SHOW");
         }
+        Command::Version => {
+            let version = format!("pgfence {}", env!("CARGO_PKG_VERSION"));
+            table(out, &["version"], &[vec![version]], "SHOW");
+        }
+        Command::KillClient(id) => match shared.clients.get(&id) {
+            Some(client) => {
+                info!(
+                    client_id = id,
+                    client = %client.addr,
+                    user = %client.user,
+                    database = %client.database,
+                    application_name = %client.application_name,
+                    backend_pid = client.backend_pid,
+                    admin,
+                    "KILL_CLIENT: ending the session"
+                );
+                client.stop.kill_now();
+                msg::write_message(out, b'C', |o| msg::put_cstr(o, b"KILL_CLIENT"));
+            }
+            None => error(
+                out,
+                "42704",
+                &format!("no client with id {id}: SHOW CLIENTS lists the connected ones"),
+            ),
+        },
         Command::Reload => match shared.reload() {
             Ok(()) => msg::write_message(out, b'C', |o| msg::put_cstr(o, b"RELOAD")),
             Err(e) => error(out, "F0000", &e),
@@ -334,6 +379,15 @@ mod tests {
         );
         assert_eq!(Command::parse(b"reload").unwrap(), Command::Reload);
         assert_eq!(Command::parse(b"").unwrap(), Command::Empty);
+        assert_eq!(Command::parse(b"show version").unwrap(), Command::Version);
+        assert_eq!(
+            Command::parse(b"kill_client 17;").unwrap(),
+            Command::KillClient(17)
+        );
+        assert!(Command::parse(b"KILL_CLIENT x")
+            .unwrap_err()
+            .contains("SHOW CLIENTS"));
+        assert!(Command::parse(b"KILL_CLIENT").is_err());
         assert!(Command::parse(b"DROP TABLE x")
             .unwrap_err()
             .contains("SHOW HELP"));

@@ -43,6 +43,8 @@ pub enum SessionError {
     TooManyClients(usize),
     #[error("pgfence is shutting down")]
     Shutdown,
+    #[error("terminating connection due to administrator command (KILL_CLIENT in pgfence's admin console)")]
+    Killed,
     #[error("client_encoding {0} is not supported through pgfence: its multi-byte characters can hide statement boundaries from the fence")]
     UnsupportedEncoding(String),
     #[error("user {0:?} may not use the pgfence admin console (admin.users)")]
@@ -83,6 +85,7 @@ impl SessionError {
             | SessionError::UpstreamConnect { .. } => Side::Server,
             SessionError::TooManyClients(_)
             | SessionError::Shutdown
+            | SessionError::Killed
             | SessionError::NotAdmin(_)
             | SessionError::UnsupportedEncoding(_) => Side::Proxy,
         }
@@ -97,7 +100,7 @@ impl SessionError {
             | SessionError::TlsRequired(_)
             | SessionError::CertificateUserMismatch { .. }
             | SessionError::ChannelBindingThroughProxy => "28000",
-            SessionError::Shutdown => "57P01",
+            SessionError::Shutdown | SessionError::Killed => "57P01",
             // feature_not_supported, as PostgreSQL answers an unsupported version.
             SessionError::Startup(StartupError::Version { .. }) => "0A000",
             SessionError::UpstreamConnect { .. } | SessionError::ServerIo(_) => "08006",

@@ -105,7 +105,7 @@ pub async fn run_with(
             accepted = accept(&listener, unix.as_ref()) => match accepted {
                 Ok((stream, peer)) => {
                     let shared = shared.clone();
-                    let stop = crate::session::Stop { drain: drain.clone(), kill: kill.clone() };
+                    let stop = crate::session::Stop::for_session(&drain, &kill);
                     match &workers {
                         None => {
                             tracker.spawn(crate::session::serve(stream, peer, shared, stop));

@@ -293,6 +293,8 @@ pub struct ClientInfo {
     pub application_name: String,
     pub backend_pid: i32,
     pub connected_at: SystemTime,
+    /// Ends the session (`KILL_CLIENT`).
+    pub(crate) stop: crate::session::Stop,
 }
 
 /// Process-wide counters (`SHOW STATS`, metrics).

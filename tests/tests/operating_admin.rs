@@ -13,6 +13,9 @@
 //! - [`extended_protocol_batch_gets_one_error`]: a Parse/Bind/Describe/Execute/Sync batch on
 //!   raw protocol gets one ErrorResponse and one ReadyForQuery, as PostgreSQL answers a
 //!   failed batch.
+//! - [`kill_client_ends_one_session`]: `KILL_CLIENT` ends a session in the middle of a
+//!   transaction (FATAL 57P01, its insert rolled back, its backend gone rather than kept)
+//!   and leaves another session alone; unknown and malformed ids are errors. `SHOW VERSION`.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -156,12 +159,14 @@ async fn psql_runs_every_command() {
         "SHOW SERVERS",
         "SHOW STATS",
         "SHOW CONFIG",
+        "SHOW VERSION",
         "RELOAD",
+        "KILL_CLIENT id",
         "SHOW HELP",
     ] {
         assert!(help.contains(command), "{command} missing from:\n{help}");
     }
-    assert!(help.contains("(8 rows)"), "{help}");
+    assert!(help.contains("(10 rows)"), "{help}");
 
     // SHOW FENCES is the fences table of the console database.
     let fences = psql(&proxy, &["-At", "-c", "SHOW FENCES"]);
@@ -495,7 +500,9 @@ async fn simple_query_columns_and_content() {
             "SHOW SERVERS",
             "SHOW STATS",
             "SHOW CONFIG",
+            "SHOW VERSION",
             "RELOAD",
+            "KILL_CLIENT id",
             "SHOW HELP"
         ]
     );
@@ -509,7 +516,7 @@ async fn simple_query_columns_and_content() {
     let db = err.as_db_error().expect("a server error");
     assert_eq!(db.code().code(), "42601", "{db:?}");
     assert!(db.message().contains("SHOW HELP"), "{db:?}");
-    assert_eq!(show(&admin, "SHOW HELP").await.rows.len(), 8);
+    assert_eq!(show(&admin, "SHOW HELP").await.rows.len(), 10);
     // So is the extended protocol, with an error that says why.
     let err = admin
         .query("SHOW HELP", &[])
@@ -569,7 +576,7 @@ async fn only_admin_users_get_in() {
     let admin = try_connect_to(&proxy.connstr_as(CONSOLE, MD5_USER, Some(MD5_PASSWORD)))
         .await
         .expect("md5user with its password");
-    assert_eq!(show(&admin, "SHOW HELP").await.rows.len(), 8);
+    assert_eq!(show(&admin, "SHOW HELP").await.rows.len(), 10);
 
     // Refused logins are the client's doing, not upstream errors, once their sessions ended.
     let mut stats = BTreeMap::new();
@@ -615,4 +622,140 @@ async fn extended_protocol_batch_gets_one_error() {
     let tags: Vec<u8> = replies.iter().map(|m| m.tag).collect();
     assert_eq!(tags.first(), Some(&b'T'), "{replies:?}");
     assert_eq!(&tags[tags.len() - 2..], b"CZ", "{replies:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_client_ends_one_session() {
+    let (cluster, proxy, _) = setup().await;
+    let direct = cluster.connect(APP_DB).await;
+    let admin = proxy.connect(CONSOLE).await;
+
+    let version = show(&admin, "SHOW VERSION").await;
+    assert_eq!(version.columns, ["version"]);
+    assert_eq!(
+        version.rows,
+        [[format!("pgfence {}", env!("CARGO_PKG_VERSION"))]]
+    );
+
+    // The victim, on raw protocol, in the middle of a fenced transaction.
+    let options: &[u8] = b"-c fencing.token=5 -c fencing.resource=billing";
+    let mut victim = RawConn::connect(proxy.addr());
+    victim.send(&wire::startup_version(
+        196608,
+        &[
+            ("user", SUPERUSER.as_bytes()),
+            ("database", APP_DB.as_bytes()),
+            ("options", options),
+        ],
+    ));
+    victim.until_ready();
+    victim.send(&wire::query("SELECT pg_backend_pid()"));
+    let replies = victim.until_ready();
+    let pid: i32 = replies
+        .iter()
+        .find_map(|m| m.data_row())
+        .and_then(|row| row[0].clone())
+        .map(|v| {
+            String::from_utf8(v)
+                .expect("pid text")
+                .parse()
+                .expect("pid")
+        })
+        .unwrap_or_else(|| panic!("no pid in {replies:?}"));
+    victim.send(&wire::query("BEGIN; INSERT INTO ledger VALUES (41)"));
+    assert_eq!(
+        victim.until_ready().last().and_then(|m| m.ready_status()),
+        Some(b'T')
+    );
+
+    // A bystander with the same settings.
+    let bystander = harness::connect_to(&connstr(
+        proxy.port(),
+        "bystander",
+        "-c fencing.token=5 -c fencing.resource=billing",
+    ))
+    .await;
+    bystander
+        .batch_execute("INSERT INTO ledger VALUES (42)")
+        .await
+        .expect("bystander writes before the kill");
+
+    let clients = show(&admin, "SHOW CLIENTS").await;
+    let id = clients
+        .records()
+        .iter()
+        .find(|c| c["backend_pid"] == pid.to_string())
+        .map(|c| c["id"].to_string())
+        .unwrap_or_else(|| panic!("no client with backend_pid {pid}: {:?}", clients.rows));
+
+    // Ids that name no client, or are no number, are errors; the console goes on.
+    for (command, code) in [
+        ("KILL_CLIENT 987654321", "42704"),
+        ("KILL_CLIENT x", "42601"),
+    ] {
+        let err = admin
+            .simple_query(command)
+            .await
+            .expect_err(command)
+            .as_db_error()
+            .cloned()
+            .unwrap_or_else(|| panic!("{command}: not a database error"));
+        assert_eq!(err.code().code(), code, "{command}: {err:?}");
+        assert!(err.message().contains("SHOW CLIENTS"), "{command}: {err:?}");
+    }
+
+    admin
+        .simple_query(&format!("KILL_CLIENT {id}"))
+        .await
+        .expect("KILL_CLIENT");
+    let fatal = match victim.next(Duration::from_secs(5)) {
+        Ok(wire::Read1::Msg(m)) => m,
+        other => panic!("the killed session got no error: {other:?}"),
+    };
+    let message = wire::assert_error(&fatal, "FATAL", "57P01");
+    assert!(message.contains("KILL_CLIENT"), "{message}");
+    assert!(
+        matches!(victim.next(Duration::from_secs(5)), Ok(wire::Read1::Closed)),
+        "the killed session stays open"
+    );
+
+    // Its server connection was closed, not kept: the backend exits, the insert is gone.
+    let mut gone = false;
+    for _ in 0..250 {
+        let row = direct
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE pid = $1",
+                &[&pid],
+            )
+            .await
+            .expect("pg_stat_activity");
+        if row.get::<_, i64>(0) == 0 {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(gone, "backend {pid} of the killed session is still there");
+    let ids: Vec<i32> = direct
+        .query("SELECT id FROM ledger ORDER BY id", &[])
+        .await
+        .expect("ledger")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(ids, [42], "the killed transaction's insert must roll back");
+
+    // The console no longer lists it; the bystander is listed and still works.
+    let clients = show(&admin, "SHOW CLIENTS").await;
+    let records = clients.records();
+    assert!(records.iter().all(|c| c["id"] != id), "{:?}", clients.rows);
+    assert!(
+        records.iter().any(|c| c["application_name"] == "bystander"),
+        "{:?}",
+        clients.rows
+    );
+    bystander
+        .batch_execute("INSERT INTO ledger VALUES (43)")
+        .await
+        .expect("the bystander is not killed");
 }

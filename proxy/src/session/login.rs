@@ -96,6 +96,7 @@ impl Session {
                         application_name: self.application_name.clone(),
                         backend_pid: self.backend_pid,
                         connected_at: SystemTime::now(),
+                        stop: self.stop.clone(),
                     },
                 );
                 debug!(user = %self.user, database = %self.database, backend_pid = self.backend_pid, "session ready");
@@ -147,7 +148,7 @@ impl Session {
             b'Q' => {
                 let sql = crate::protocol::message::query_text(frame)
                     .ok_or(SessionError::MalformedClientMessage("Query"))?;
-                match crate::admin::answer(&self.shared, sql, &mut self.to_client) {
+                match crate::admin::answer(&self.shared, &self.user, sql, &mut self.to_client) {
                     crate::admin::Answer::Upstream(sql) => {
                         crate::protocol::message::query(&mut self.to_server, sql)
                     }

@@ -17,6 +17,7 @@ pub mod replies;
 mod server;
 pub mod tx;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -181,7 +182,7 @@ pub(crate) enum Flow {
     Terminate,
 }
 
-/// How the server tells sessions to stop.
+/// How the server, or the admin console for one session, tells a session to stop.
 #[derive(Debug, Clone)]
 pub(crate) struct Stop {
     /// Close at the next idle moment (no transaction open, nothing in flight).
@@ -189,6 +190,36 @@ pub(crate) struct Stop {
     /// Close now. Only ever cancelled after `drain` (the forwarding loop relies on it: it
     /// waits for one of the two at a time).
     pub kill: CancellationToken,
+    /// `KILL_CLIENT` stopped this session, not a shutdown: it says so to the client.
+    killed: Arc<AtomicBool>,
+}
+
+impl Stop {
+    /// One session's tokens: cancelled with the server's, or alone by [`Stop::kill_now`].
+    pub fn for_session(drain: &CancellationToken, kill: &CancellationToken) -> Stop {
+        Stop {
+            drain: drain.child_token(),
+            kill: kill.child_token(),
+            killed: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// Ends this session now (`KILL_CLIENT`): an open transaction is rolled back, since its
+    /// server connection is closed rather than kept.
+    pub fn kill_now(&self) {
+        self.killed.store(true, Ordering::Relaxed);
+        self.drain.cancel();
+        self.kill.cancel();
+    }
+
+    /// What the client is told when the session stops.
+    fn reason(&self) -> SessionError {
+        if self.killed.load(Ordering::Relaxed) {
+            SessionError::Killed
+        } else {
+            SessionError::Shutdown
+        }
+    }
 }
 
 /// Serves one client connection to its end.
@@ -399,7 +430,15 @@ async fn run_session(
     } else {
         None
     };
-    let mut session = Session::new(shared.clone(), config, id, peer, &startup, upstream_addr);
+    let mut session = Session::new(
+        shared.clone(),
+        config,
+        id,
+        peer,
+        &startup,
+        upstream_addr,
+        stop.clone(),
+    );
     session.tls = tls;
     session.client_cn = client_cn;
     session.upstream_tls = upstream_tls;
@@ -519,6 +558,8 @@ pub(crate) struct Session {
     plus_hidden: bool,
     /// The client closed in the middle of a message.
     client_left_mid_message: bool,
+    /// This session's stop, for `KILL_CLIENT` (registered with the client in `SHOW CLIENTS`).
+    stop: Stop,
 }
 
 impl Session {
@@ -529,6 +570,7 @@ impl Session {
         peer: ClientAddr,
         startup: &Startup,
         upstream: UpstreamAddr,
+        stop: Stop,
     ) -> Session {
         let user = startup.user();
         let database = startup.database();
@@ -576,6 +618,7 @@ impl Session {
             cancel_tls: None,
             plus_hidden: false,
             client_left_mid_message: false,
+            stop,
         }
     }
 
@@ -630,7 +673,7 @@ impl Session {
                 && self.to_server.is_empty()
                 && self.to_client.is_empty()
             {
-                return Err(self.say_goodbye(&mut cw).await);
+                return Err(self.say_goodbye(&mut cw, stop.reason()).await);
             }
             let read_client =
                 client_open && self.hold != Hold::Waiting && self.to_server.len() < HIGH_WATER;
@@ -686,7 +729,7 @@ impl Session {
                 // `kill` comes after `drain`: until then, polling it at every turn (a lock
                 // in tokio's Notify) would only cost.
                 _ = &mut kill, if draining => {
-                    return Err(self.say_goodbye(&mut cw).await);
+                    return Err(self.say_goodbye(&mut cw, stop.reason()).await);
                 }
             }
             // Write what is ready without another trip through select!.
@@ -716,9 +759,12 @@ impl Session {
         e
     }
 
-    /// Tells an idle client that pgfence is shutting down.
-    async fn say_goodbye(&mut self, cw: &mut crate::net::WriteHalf<'_>) -> SessionError {
-        let e = SessionError::Shutdown;
+    /// Tells the client why pgfence ends its session: shutting down, or `KILL_CLIENT`.
+    async fn say_goodbye(
+        &mut self,
+        cw: &mut crate::net::WriteHalf<'_>,
+        e: SessionError,
+    ) -> SessionError {
         let mut out = BytesMut::new();
         e.to_client(&mut out);
         let _ = write_out(cw, &out).await;
