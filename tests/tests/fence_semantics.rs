@@ -1174,3 +1174,34 @@ async fn an_unfenced_looking_session_is_still_checked_by_the_server() {
     assert_eq!(fx.count("ug WHERE tag = 'guarded_lenient'").await, 2);
     assert_eq!(fx.count("ug WHERE tag = 'guarded_strict'").await, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_check_statement_dropped_behind_pgfences_back_is_prepared_again() {
+    let fx = Fixture::start("CREATE TABLE dropped (tag text);", |_| {}).await;
+    let s = fx.session(SUPERUSER, None).await;
+    s.run(
+        Protocol::Extended,
+        &["INSERT INTO dropped VALUES ('first')"],
+    )
+    .await
+    .expect("the first write prepares the guarded check");
+    // A DO block is not a DEALLOCATE pgfence can see.
+    s.client
+        .batch_execute("DO $$ BEGIN EXECUTE 'DEALLOCATE pgfence_check_guarded'; END $$")
+        .await
+        .expect("the statement exists, so the DO block drops it");
+    let err = s
+        .run(Protocol::Extended, &["INSERT INTO dropped VALUES ('lost')"])
+        .await
+        .expect_err("the check's Bind finds no statement");
+    let db = err.as_db_error().expect("a database error");
+    assert_eq!(db.code().code(), "26000", "{db:?}");
+    s.run(
+        Protocol::Extended,
+        &["INSERT INTO dropped VALUES ('again')"],
+    )
+    .await
+    .expect("the next check prepares its statement again");
+    assert_eq!(fx.count("dropped WHERE tag IN ('first', 'again')").await, 2);
+    assert_eq!(fx.count("dropped WHERE tag = 'lost'").await, 0);
+}

@@ -17,8 +17,9 @@
 //! and binary; FunctionCall (`abs(int4)`, NULL, an unknown function); LISTEN/NOTIFY to self;
 //! notices from a DO block; ParameterStatus; SQL that is not valid UTF-8; savepoints and
 //! commits in both protocols; Terminate. Further sessions: a LATIN1 client encoding, startup
-//! parameters (`application_name`, `options`), and protocol version 3.1 with a `_pq_`
-//! option (NegotiateProtocolVersion).
+//! parameters (`application_name`, `options`), a first extended-protocol write that fails
+//! (without a token and with one), and protocol version 3.1 with a `_pq_` option
+//! (NegotiateProtocolVersion).
 
 use std::net::SocketAddr;
 
@@ -481,6 +482,12 @@ fn sessions(abs_oid: u32) -> Vec<Session> {
                 step("terminate", wire::terminate(), Closed),
             ],
         },
+        first_write_fails("first write fails, no token", "first_a", b""),
+        first_write_fails(
+            "first write fails, session token",
+            "first_b",
+            b"-c fencing.resource=differential -c fencing.token=5",
+        ),
         Session {
             name: "protocol 3.1",
             startup: wire::startup_version(
@@ -501,6 +508,52 @@ fn sessions(abs_oid: u32) -> Vec<Session> {
 
 fn s() -> Vec<u8> {
     wire::sync()
+}
+
+/// A session whose first extended-protocol write fails before pgfence's check: the server
+/// skips the check's Parse with the rest of the batch, so the next write must prepare it
+/// again (it once bound a statement that did not exist: 26000 instead of INSERT).
+fn first_write_fails(name: &'static str, table: &str, options: &'static [u8]) -> Session {
+    use Until::*;
+    let mut params: Vec<(&str, &[u8])> = vec![
+        ("user", SUPERUSER.as_bytes()),
+        ("database", APP_DB.as_bytes()),
+    ];
+    if !options.is_empty() {
+        params.push(("options", options));
+    }
+    let insert = |id: &'static [u8]| pbe(&format!("INSERT INTO {table} VALUES ($1)"), &[Some(id)]);
+    Session {
+        name,
+        startup: wire::startup_version(wire::PROTOCOL_3_0, &params),
+        steps: vec![
+            step(
+                "table",
+                q(&format!(
+                    "CREATE TABLE {table} (id int PRIMARY KEY); INSERT INTO {table} VALUES (1)"
+                )),
+                Ready(1),
+            ),
+            step("duplicate", cat(&[insert(b"1"), s()]), Ready(1)),
+            step("next write", cat(&[insert(b"2"), s()]), Ready(1)),
+            step(
+                "in a block",
+                cat(&[pbe("BEGIN", &[]), insert(b"2"), s(), q("ROLLBACK")]),
+                Ready(2),
+            ),
+            step(
+                "block after",
+                cat(&[pbe("BEGIN", &[]), insert(b"3"), pbe("COMMIT", &[]), s()]),
+                Ready(1),
+            ),
+            step(
+                "rows",
+                q(&format!("SELECT id FROM {table} ORDER BY id")),
+                Ready(1),
+            ),
+            step("terminate", wire::terminate(), Closed),
+        ],
+    }
 }
 
 /// Replaces what legitimately differs: BackendKeyData, and the sender pid of notifications.

@@ -42,7 +42,7 @@ const FAST_REJECT_SQL: &[u8] = b"SELECT pgfence.fast_reject($1::text, $2::bigint
 
 /// The statements a check can bind (all three may exist on one upstream connection).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum CheckStatement {
+pub enum CheckStatement {
     /// [`sql::guarded_check_sql`], for a session that looks unfenced: no parameters.
     Guarded,
     /// The call with the session's constants as literals ([`sql::check_call_literal`]): no
@@ -141,10 +141,23 @@ impl FenceSettings {
     }
 
     /// pgfence's prepared statements are gone from the upstream connection (`DISCARD`,
-    /// `DEALLOCATE ALL`, or a Parse that failed): the next use prepares them again.
+    /// `DEALLOCATE ALL`): the next use prepares them again.
     pub fn forget_prepared(&mut self) {
         self.checks_prepared = [false; 3];
         self.fast_reject_prepared = false;
+    }
+
+    /// A request of `origin` failed or was skipped after an error: if it was the Parse of one
+    /// of pgfence's statements, that statement does not exist, and its next use prepares it.
+    /// The others stay (preparing an existing one again would fail with 42P05).
+    pub fn not_prepared(&mut self, origin: Origin) {
+        match origin {
+            Origin::Injected(Injected::PrepareCheck(statement)) => {
+                self.checks_prepared[statement as usize] = false;
+            }
+            Origin::Injected(Injected::Prepare) => self.fast_reject_prepared = false,
+            _ => {}
+        }
     }
 
     /// The session may have changed its fencing settings in a way pgfence cannot follow.
@@ -233,8 +246,10 @@ impl Session {
                 CheckStatement::Plain => sql::CHECK_SQL.as_bytes().to_vec(),
             };
             msg::parse(&mut self.to_server, statement.name(), &sql);
-            self.replies
-                .push(Request::Parse, Origin::Injected(Injected::PrepareCheck));
+            self.replies.push(
+                Request::Parse,
+                Origin::Injected(Injected::PrepareCheck(statement)),
+            );
         }
         statement
     }

@@ -7,6 +7,8 @@
 
 use std::collections::VecDeque;
 
+use super::fence::CheckStatement;
+
 /// Which request a reply answers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Request {
@@ -53,9 +55,9 @@ pub enum Origin {
 pub enum Injected {
     /// Preparing the fast-path rejection statement.
     Prepare,
-    /// Preparing the check statement: in an aborted transaction it fails with 25P02 as the
+    /// Preparing this check statement: in an aborted transaction it fails with 25P02 as the
     /// check itself would.
-    PrepareCheck,
+    PrepareCheck(CheckStatement),
     /// Binding or executing the commit-time check.
     Check,
     /// Binding the fast-path rejection (its Execute stands in for the client's).
@@ -182,16 +184,15 @@ impl Replies {
     }
 
     /// After an error in the extended protocol the server skips every message up to the
-    /// next Sync: drop their entries. Returns whether any dropped entry was the client's.
-    pub fn skip_to_sync(&mut self) -> bool {
-        let mut client = false;
+    /// next Sync: drop their entries, telling `skipped` the origin of each (a Parse of
+    /// pgfence's that never ran left no statement behind).
+    pub fn skip_to_sync(&mut self, mut skipped: impl FnMut(Origin)) {
         while let Some(p) = self.queue.front() {
             if p.request.is_sync_point() {
                 break;
             }
-            client |= p.origin == Origin::Client;
+            skipped(p.origin);
             self.queue.pop_front();
         }
-        client
     }
 }

@@ -12,6 +12,8 @@ use super::{CommitCheck, CopyIn, Hold, Session};
 
 /// `in_failed_sql_transaction`: the transaction had already failed before pgfence's check.
 const IN_FAILED_TRANSACTION: &[u8] = b"25P02";
+/// invalid_sql_statement_name: a Bind named a statement the server does not have.
+const NO_SUCH_STATEMENT: &[u8] = b"26000";
 
 impl Session {
     pub(super) fn on_server_frame(&mut self, tag: u8, frame: &[u8]) -> Result<(), SessionError> {
@@ -174,23 +176,28 @@ impl Session {
             Request::Query => front.plan.in_check(),
             _ => matches!(
                 origin,
-                Origin::Injected(Injected::Check | Injected::PrepareCheck)
+                Origin::Injected(Injected::Check | Injected::PrepareCheck(_))
             ),
         };
+        // pgfence's own statement could not be prepared (schema not installed?): the client
+        // must learn it, and the next check prepares again.
+        self.fence.not_prepared(origin);
+        if request == Request::Bind
+            && origin == Origin::Injected(Injected::Check)
+            && fields.code == NO_SUCH_STATEMENT
+        {
+            // Dropped behind pgfence's back (a client's `DEALLOCATE pgfence_check_session`):
+            // this check fails, the next one prepares its statement again.
+            self.fence.forget_prepared();
+        }
         if !request.is_sync_point() {
             self.replies.pop();
-            self.replies.skip_to_sync();
+            let fence = &mut self.fence;
+            self.replies
+                .skip_to_sync(|skipped| fence.not_prepared(skipped));
             if from_check && matches!(self.commit_check, CommitCheck::Pending { .. }) {
                 self.sync_after_skipped_commit();
             }
-        }
-        if matches!(
-            origin,
-            Origin::Injected(Injected::Prepare | Injected::PrepareCheck)
-        ) {
-            // pgfence's own statement could not be prepared (schema not installed?): the
-            // client must learn it, and the next check prepares again.
-            self.fence.forget_prepared();
         }
         if from_check {
             self.observe_check_latency();
