@@ -2,13 +2,16 @@
 # Installs what pgfence's tests, benchmarks and CI need on a Debian machine, and only what is
 # missing: the PostgreSQL server and clients (initdb, pg_ctl, psql, pgbench, and the
 # `postgres` OS user the test harness runs servers as under root), pgbouncer (for the
-# benchmark runner), pip when python3 has none, and psycopg 3 for the driver tests.
+# benchmark runner), pip when python3 has none, and psycopg 3 and asyncpg for the driver
+# tests.
 #
 # Idempotent: a machine that has everything is left alone (no apt-get update). Installs as
 # root without sudo; as another user it prints what is missing and exits 1.
 set -euo pipefail
 
 PSYCOPG_SPEC='psycopg[binary]>=3.1'
+# asyncpg is 0.x: a minor release may change behaviour, so stay below 1.
+ASYNCPG_SPEC='asyncpg>=0.29,<1'
 
 have_pg_server() {
     local bindir
@@ -35,8 +38,12 @@ need_psycopg=false
 if ! command -v python3 >/dev/null || ! python3 -c 'import psycopg' >/dev/null 2>&1; then
     need_psycopg=true
 fi
+need_asyncpg=false
+if ! command -v python3 >/dev/null || ! python3 -c 'import asyncpg' >/dev/null 2>&1; then
+    need_asyncpg=true
+fi
 
-if [[ ${#apt_packages[@]} -eq 0 && $need_psycopg == false ]]; then
+if [[ ${#apt_packages[@]} -eq 0 && $need_psycopg == false && $need_asyncpg == false ]]; then
     echo "install-deps: everything is installed"
     exit 0
 fi
@@ -45,6 +52,7 @@ if [[ $(id -u) -ne 0 ]]; then
     echo "install-deps: missing, and not root:" >&2
     [[ ${#apt_packages[@]} -gt 0 ]] && echo "  sudo apt-get install ${apt_packages[*]}" >&2
     [[ $need_psycopg == true ]] && echo "  python3 -m pip install '$PSYCOPG_SPEC'" >&2
+    [[ $need_asyncpg == true ]] && echo "  python3 -m pip install '$ASYNCPG_SPEC'" >&2
     exit 1
 fi
 
@@ -70,22 +78,30 @@ if [[ ${#apt_packages[@]} -gt 0 ]]; then
     retry apt-get -o DPkg::Lock::Timeout=300 install -y -q --no-install-recommends "${apt_packages[@]}"
 fi
 
+# pip_install SPEC: installs SPEC with python3's pip, retrying with --break-system-packages
+# where the distribution marks its python as externally managed (PEP 668).
+pip_install() {
+    local spec=$1 out
+    if out=$(python3 -m pip install --progress-bar off -q --root-user-action=ignore "$spec" 2>&1); then
+        return 0
+    fi
+    if grep -q externally-managed-environment <<<"$out"; then
+        python3 -m pip install --progress-bar off -q --root-user-action=ignore --break-system-packages "$spec"
+    else
+        echo "$out" >&2
+        return 1
+    fi
+}
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+
 if [[ $need_psycopg == true ]]; then
     echo "install-deps: python3 -m pip install '$PSYCOPG_SPEC' ($(command -v python3))"
-    export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
-    pip_install() {
-        local out
-        if out=$(python3 -m pip install --progress-bar off -q --root-user-action=ignore "$@" "$PSYCOPG_SPEC" 2>&1); then
-            return 0
-        fi
-        if grep -q externally-managed-environment <<<"$out"; then
-            python3 -m pip install --progress-bar off -q --root-user-action=ignore --break-system-packages "$@" "$PSYCOPG_SPEC"
-        else
-            echo "$out" >&2
-            return 1
-        fi
-    }
-    retry pip_install
+    retry pip_install "$PSYCOPG_SPEC"
     python3 -c 'import psycopg; print("install-deps: psycopg", psycopg.__version__)'
+fi
+if [[ $need_asyncpg == true ]]; then
+    echo "install-deps: python3 -m pip install '$ASYNCPG_SPEC' ($(command -v python3))"
+    retry pip_install "$ASYNCPG_SPEC"
+    python3 -c 'import asyncpg; print("install-deps: asyncpg", asyncpg.__version__)'
 fi
 echo "install-deps: done"

@@ -4,7 +4,7 @@
 //!   `scramuser` and a database `app` (see [`cluster`] for the exact setup).
 //! - [`Proxy`]: pgfence running in-process on its own tokio runtime, for sync and async tests.
 //! - [`ProxyProcess`]: the real `pgfence` binary as a child process, for signals and logs.
-//! - [`run_python`]: the psycopg scripts in `tests/python/`.
+//! - [`run_python`]: the psycopg and asyncpg scripts in `tests/python/`.
 //! - [`tls`]: a CA and a server certificate made per test, and a blocking TLS client.
 //! - [`wire`]: raw protocol frames and a blocking connection with deadlines, for byte-exact
 //!   tests.
@@ -43,7 +43,10 @@ pub use ports::free_port;
 pub use process::{run as run_command, Outcome};
 pub use proxy::{init_tracing, Proxy};
 pub use proxy_process::{ProxyProcess, ProxyProcessBuilder};
-pub use python::{in_ci, python, python_dir, python_or_skip, run_python};
+pub use python::{
+    in_ci, python, python_dir, python_has_module, python_module_or_skip, python_or_skip,
+    run_python, try_run_python,
+};
 
 /// The address every server and proxy of the harness listens on.
 pub const HOST: &str = "127.0.0.1";

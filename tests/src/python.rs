@@ -1,11 +1,13 @@
-//! Running the psycopg scripts in `tests/python/` (see its README for their convention).
+//! Running the psycopg (and asyncpg) scripts in `tests/python/` (see its README for their
+//! convention).
 //!
-//! psycopg is installed by `scripts/install-deps.sh`. Outside CI a test may skip (loudly)
-//! when it is missing; with env `CI` set, [`python_or_skip`] fails the test instead.
+//! psycopg and asyncpg are installed by `scripts/install-deps.sh`. Outside CI a test may skip
+//! (loudly) when one is missing; with env `CI` set, [`python_or_skip`] and
+//! [`python_module_or_skip`] fail the test instead.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use crate::process;
@@ -61,6 +63,45 @@ pub fn python_or_skip(test: &str) -> Option<PathBuf> {
     None
 }
 
+/// Whether [`python`] can `import module` (cached per module).
+pub fn python_has_module(module: &str) -> bool {
+    static FOUND: Mutex<Vec<(String, bool)>> = Mutex::new(Vec::new());
+    let Some(py) = python() else {
+        return false;
+    };
+    let mut found = FOUND.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, has)) = found.iter().find(|(m, _)| m == module) {
+        return *has;
+    }
+    let mut cmd = Command::new(&py);
+    cmd.args(["-c", &format!("import {module}")]);
+    let has = process::run(&mut cmd, None, Duration::from_secs(60)).success();
+    found.push((module.to_string(), has));
+    has
+}
+
+/// [`python_or_skip`], and `module` importable by that python (`pip_spec` is what
+/// `scripts/install-deps.sh` installs for it): when it is not, outside CI `None` after a
+/// loud SKIP line for `test`; in CI a panic.
+pub fn python_module_or_skip(test: &str, module: &str, pip_spec: &str) -> Option<PathBuf> {
+    let py = python_or_skip(test)?;
+    if python_has_module(module) {
+        return Some(py);
+    }
+    if in_ci() {
+        panic!(
+            "{test}: {} cannot import {module}, and CI must have it (scripts/install-deps.sh)",
+            py.display()
+        );
+    }
+    eprintln!(
+        "SKIP {test}: {} cannot import {module}; run scripts/install-deps.sh \
+         (or `python3 -m pip install '{pip_spec}'`)",
+        py.display()
+    );
+    None
+}
+
 /// `tests/python/`.
 pub fn python_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("python")
@@ -70,6 +111,13 @@ pub fn python_dir() -> PathBuf {
 /// after 3 minutes. Returns its stdout; panics with stdout and stderr when it fails, and
 /// when there is no python with psycopg (check [`python_or_skip`] first).
 pub fn run_python(script: &str, env: &[(&str, &str)]) -> String {
+    try_run_python(script, env).unwrap_or_else(|failure| panic!("{failure}"))
+}
+
+/// [`run_python`], returning its failure (the command, how it ended, stdout and stderr)
+/// instead of panicking, so a test can run a script several ways and report every failure.
+/// Panics only when there is no python with psycopg (check [`python_or_skip`] first).
+pub fn try_run_python(script: &str, env: &[(&str, &str)]) -> Result<String, String> {
     let py = python().unwrap_or_else(|| {
         panic!("run_python({script}): no python3 with psycopg; call python_or_skip first")
     });
@@ -84,14 +132,14 @@ pub fn run_python(script: &str, env: &[(&str, &str)]) -> String {
     }
     let out = process::run(&mut cmd, None, SCRIPT_TIMEOUT);
     if !out.success() {
-        panic!(
+        return Err(format!(
             "{} {} failed ({})\n--- stdout ---\n{}--- stderr ---\n{}",
             py.display(),
             path.display(),
             out.describe(),
             out.stdout,
             out.stderr
-        );
+        ));
     }
-    out.stdout
+    Ok(out.stdout)
 }

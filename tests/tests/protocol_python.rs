@@ -1,9 +1,17 @@
-//! psycopg 3 through pgfence: `tests/python/test_smoke.py` and `tests/python/test_protocol.py`
-//! run directly against PostgreSQL (which checks the scripts' own expectations), then through
-//! pgfence with the fence on and with it off (PGFENCE_DSN). Every test of each script must
-//! report `ok`.
+//! Python drivers through pgfence, each script run directly against PostgreSQL (which checks
+//! the scripts' own expectations), then through pgfence (PGFENCE_DSN). Every test of each
+//! script must report `ok`.
+//!
+//! - [`psycopg_scripts_direct_and_through_pgfence`]: psycopg 3, `tests/python/test_smoke.py`
+//!   and `tests/python/test_protocol.py`, through pgfence with the fence on and with it off.
+//! - [`asyncpg_direct_and_through_pgfence`]: asyncpg, `tests/python/test_asyncpg.py`, through
+//!   pgfence with the fence on (fast path on, and off so the database rejects every stale
+//!   write) and with it off; the script expects stale writes rejected only where the fence
+//!   is enforced (env `PGFENCE_FENCE`).
 
-use harness::{python_or_skip, run_python, PgCluster, Proxy, APP_DB};
+use harness::{
+    python_module_or_skip, python_or_skip, run_python, try_run_python, PgCluster, Proxy, APP_DB,
+};
 
 const SCRIPTS: &[(&str, &[&str])] = &[
     (
@@ -64,4 +72,83 @@ fn psycopg_scripts_direct_and_through_pgfence() {
             eprintln!("{mode} {script}:\n{out}");
         }
     }
+}
+
+/// What `scripts/install-deps.sh` installs for asyncpg.
+const ASYNCPG_SPEC: &str = "asyncpg>=0.29,<1";
+
+const ASYNCPG_TESTS: &[&str] = &[
+    "statement_cache",
+    "executemany",
+    "session_token",
+    "stale_token",
+    "stale_executemany",
+    "set_config_token",
+    "error_then_fenced_write",
+    "savepoints",
+    "copy_records",
+    "copy_out",
+    "cursor",
+    "cancel",
+    "notifications",
+    "custom_types",
+    "invalidated_statement",
+    "read_only_stale",
+];
+
+#[test]
+fn asyncpg_direct_and_through_pgfence() {
+    let test = "asyncpg_direct_and_through_pgfence";
+    if python_module_or_skip(test, "asyncpg", ASYNCPG_SPEC).is_none() {
+        return;
+    }
+    let cluster = PgCluster::start();
+    cluster.psql(APP_DB, &fence_core::sql::install_sql(None));
+    let fenced = Proxy::for_cluster(&cluster);
+    let mut config = Proxy::config_for(&cluster);
+    config.fence.fast_path = false;
+    let database_only = Proxy::start(config);
+    let mut config = Proxy::config_for(&cluster);
+    config.fence.enabled = false;
+    let plain = Proxy::start(config);
+
+    let direct = cluster.connstr(APP_DB);
+    let targets = [
+        ("direct", None, "off"),
+        ("fence on", Some(fenced.connstr(APP_DB)), "on"),
+        (
+            "fence on, no fast path",
+            Some(database_only.connstr(APP_DB)),
+            "on",
+        ),
+        ("fence off", Some(plain.connstr(APP_DB)), "off"),
+    ];
+    // Every way is run and reported before the test fails, so one run shows them all.
+    let mut failures = Vec::new();
+    for (mode, through, fence) in &targets {
+        let mut env = vec![
+            ("PG_DIRECT_DSN", direct.as_str()),
+            ("PGFENCE_FENCE", *fence),
+        ];
+        if let Some(dsn) = through {
+            env.push(("PGFENCE_DSN", dsn.as_str()));
+        }
+        match try_run_python("test_asyncpg.py", &env) {
+            Ok(out) => {
+                eprintln!("{mode} test_asyncpg.py:\n{out}");
+                let missing: Vec<_> = ASYNCPG_TESTS
+                    .iter()
+                    .filter(|name| !out.lines().any(|l| l.starts_with(&format!("ok {name} "))))
+                    .collect();
+                if !missing.is_empty() {
+                    failures.push(format!("{mode}: no `ok` for {missing:?} in:\n{out}"));
+                }
+            }
+            Err(failure) => {
+                eprintln!("{mode} test_asyncpg.py:\n{failure}");
+                failures.push(format!("{mode}: {failure}"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }
