@@ -1205,3 +1205,39 @@ async fn a_check_statement_dropped_behind_pgfences_back_is_prepared_again() {
     assert_eq!(fx.count("dropped WHERE tag IN ('first', 'again')").await, 2);
     assert_eq!(fx.count("dropped WHERE tag = 'lost'").await, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deallocate_leaves_the_check_statements_usable() {
+    let fx = Fixture::start("CREATE TABLE kept (tag text);", |_| {}).await;
+    let s = fx.session(SUPERUSER, None).await;
+    s.run(Protocol::Extended, &["INSERT INTO kept VALUES ('first')"])
+        .await
+        .expect("the first write prepares the guarded check");
+    // pgfence cannot tell which statements a DEALLOCATE drops, nor whether it will
+    // succeed: this one fails and drops nothing, the check's statement still exists.
+    let err = s
+        .client
+        .batch_execute("DEALLOCATE no_such_statement")
+        .await
+        .expect_err("no such statement");
+    assert_eq!(
+        err.as_db_error().map(|e| e.code().code()),
+        Some("26000"),
+        "{err:?}"
+    );
+    for n in 0..3 {
+        s.run(Protocol::Extended, &["INSERT INTO kept VALUES ('after')"])
+            .await
+            .unwrap_or_else(|e| panic!("write {n} after the failed DEALLOCATE: {e:?}"));
+    }
+    assert_eq!(fx.count("kept WHERE tag = 'after'").await, 3);
+    // Nor does a DEALLOCATE that succeeds on another statement (an ORM's statement cache).
+    s.client
+        .batch_execute("PREPARE mine AS SELECT 1; DEALLOCATE mine")
+        .await
+        .expect("the client's own statement");
+    s.run(Protocol::Extended, &["INSERT INTO kept VALUES ('later')"])
+        .await
+        .expect("a write after DEALLOCATE of the client's statement");
+    assert_eq!(fx.count("kept WHERE tag = 'later'").await, 1);
+}

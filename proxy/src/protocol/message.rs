@@ -309,6 +309,15 @@ pub fn parse(out: &mut BytesMut, name: &[u8], sql: &[u8]) {
     });
 }
 
+/// Appends a Close of a statement (`kind` `S`) or portal (`P`). Closing one that does not
+/// exist is no error.
+pub fn close(out: &mut BytesMut, kind: u8, name: &[u8]) {
+    write_message(out, b'C', |o| {
+        o.put_u8(kind);
+        put_cstr(o, name);
+    });
+}
+
 /// Appends a Bind of `statement` into `portal` with text parameters (None = NULL) and a
 /// text-format result.
 pub fn bind_text(out: &mut BytesMut, portal: &[u8], statement: &[u8], params: &[Option<Vec<u8>>]) {

@@ -245,11 +245,14 @@ impl Session {
                 }
                 CheckStatement::Plain => sql::CHECK_SQL.as_bytes().to_vec(),
             };
+            // Closed first: pgfence may have forgotten a statement that still exists (a
+            // DEALLOCATE of another name, or one that failed), and a Parse of an existing
+            // name fails (42P05).
+            let origin = Origin::Injected(Injected::PrepareCheck(statement));
+            msg::close(&mut self.to_server, b'S', statement.name());
+            self.replies.push(Request::Close, origin);
             msg::parse(&mut self.to_server, statement.name(), &sql);
-            self.replies.push(
-                Request::Parse,
-                Origin::Injected(Injected::PrepareCheck(statement)),
-            );
+            self.replies.push(Request::Parse, origin);
         }
         statement
     }
@@ -288,10 +291,7 @@ impl Session {
         // (a check before a Sync while pgfence cannot tell whether a block is open) may be
         // checked again: close the portal then, so it can be bound again.
         if self.tx.view == View::Unknown {
-            msg::write_message(&mut self.to_server, b'C', |o| {
-                bytes::BufMut::put_u8(o, b'P');
-                msg::put_cstr(o, CHECK_NAME);
-            });
+            msg::close(&mut self.to_server, b'P', CHECK_NAME);
             self.replies
                 .push(Request::Close, Origin::Injected(Injected::Check));
         }
@@ -322,9 +322,12 @@ impl Session {
         fence: i64,
     ) {
         if !self.fence.fast_reject_prepared {
+            // Closed first, as the checks' statements are (see `prepare_check`).
+            let origin = Origin::Injected(Injected::Prepare);
+            msg::close(&mut self.to_server, b'S', FAST_REJECT_NAME);
+            self.replies.push(Request::Close, origin);
             msg::parse(&mut self.to_server, FAST_REJECT_NAME, FAST_REJECT_SQL);
-            self.replies
-                .push(Request::Parse, Origin::Injected(Injected::Prepare));
+            self.replies.push(Request::Parse, origin);
             self.fence.fast_reject_prepared = true;
         }
         let params = [
