@@ -28,6 +28,7 @@ use harness::fence::{
     assert_rejected, conflicting, connect_with_notices, drain_notices, install, invalid_resource,
     invalid_token, missing, psql_script, sqlstate, stale, Expected, INVALID_DETAIL, INVALID_HINT,
 };
+use harness::wire::{self, RawConn};
 use harness::{quote_conn_value, PgCluster, Proxy, APP_DB, SUPERUSER};
 use pgfence_config::{Config, DefaultResource, OnMissingToken, ResourcePolicy};
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -1240,4 +1241,48 @@ async fn a_deallocate_leaves_the_check_statements_usable() {
         .await
         .expect("a write after DEALLOCATE of the client's statement");
     assert_eq!(fx.count("kept WHERE tag = 'later'").await, 1);
+}
+
+/// The fast path's rejection inside a block runs pgfence's own statement upstream; the client
+/// sees only the error, as if its statement had failed (node-postgres's COPY crashed on the
+/// RowDescription of `pgfence.fast_reject` that once came first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fast_rejection_in_a_block_shows_only_the_error() {
+    let fx = Fixture::start("CREATE TABLE fastblock (tag text);", |_| {}).await;
+    let r = "fastblock";
+    fx.leader(r, 5)
+        .await
+        .simple("INSERT INTO fastblock VALUES ('leader 5')")
+        .await
+        .unwrap();
+    let options = format!("-c fencing.token=4 -c fencing.resource={r}");
+    let mut stale = RawConn::connect(fx.proxy.addr());
+    stale.send(&wire::startup_version(
+        wire::PROTOCOL_3_0,
+        &[
+            ("user", SUPERUSER.as_bytes()),
+            ("database", APP_DB.as_bytes()),
+            ("options", options.as_bytes()),
+        ],
+    ));
+    stale.until_ready();
+    for (n, statement) in [
+        "INSERT INTO fastblock VALUES ('stale 4')",
+        "COPY fastblock FROM STDIN",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        stale.send(&wire::query("BEGIN"));
+        stale.until_ready();
+        stale.send(&wire::query(statement));
+        let replies = stale.until_ready();
+        let tags: Vec<u8> = replies.iter().map(|m| m.tag).collect();
+        assert_eq!(tags, b"EZ", "{n} {statement}: {replies:?}");
+        wire::assert_error(&replies[0], "ERROR", "FN001");
+        assert_eq!(replies[1].ready_status(), Some(b'E'), "{statement}");
+        stale.send(&wire::query("ROLLBACK"));
+        stale.until_ready();
+    }
+    assert_eq!(fx.count("fastblock WHERE tag LIKE 'stale%'").await, 0);
 }

@@ -41,7 +41,11 @@ impl Session {
                         self.to_client.extend_from_slice(frame);
                     }
                 }
-                Some(p) if p.request == Request::Query && p.plan.in_check() => {}
+                // pgfence's statements in a Query: a check, or the fast path's rejection (it
+                // stands in for the client's statement, whose error is all the client sees).
+                Some(p)
+                    if p.request == Request::Query && (p.plan.in_check() || p.plan.fast_reject) => {
+                }
                 _ => self.forward_if_client(frame),
             },
             Backend::DataRow => match self.replies.front() {
