@@ -1286,3 +1286,80 @@ async fn a_fast_rejection_in_a_block_shows_only_the_error() {
     }
     assert_eq!(fx.count("fastblock WHERE tag LIKE 'stale%'").await, 0);
 }
+
+/// A client's Parse that the server refuses (the name exists: 42P05) or skips (an error
+/// earlier in the batch) leaves the server's statement as it was: pgfence must not take the
+/// new text for it. A stale session once wrote by parsing `SELECT 1` over its prepared
+/// INSERT's name, then executing the name: pgfence saw a read, the server ran the INSERT.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_or_skipped_parse_does_not_change_what_pgfence_thinks_a_name_runs() {
+    for fast_path in [true, false] {
+        let fx = Fixture::start("CREATE TABLE renamed (tag text);", |c| {
+            c.fence.fast_path = fast_path;
+        })
+        .await;
+        let r = "renamed";
+        fx.leader(r, 34)
+            .await
+            .simple("INSERT INTO renamed VALUES ('leader 34')")
+            .await
+            .unwrap();
+        let options = format!("-c fencing.token=33 -c fencing.resource={r}");
+        let mut stale = RawConn::connect(fx.proxy.addr());
+        stale.send(&wire::startup_version(
+            wire::PROTOCOL_3_0,
+            &[
+                ("user", SUPERUSER.as_bytes()),
+                ("database", APP_DB.as_bytes()),
+                ("options", options.as_bytes()),
+            ],
+        ));
+        stale.until_ready();
+        let insert = "INSERT INTO renamed VALUES ('stale 33')";
+        let run = |name: &str| {
+            [
+                wire::bind("", name, &[]),
+                wire::execute("", 0),
+                wire::sync(),
+            ]
+            .concat()
+        };
+        // Refused: the name exists.
+        stale.send(&[wire::parse("s1", insert, &[]), wire::sync()].concat());
+        stale.until_ready();
+        stale.send(&[wire::parse("s1", "SELECT 1", &[]), wire::sync()].concat());
+        let replies = stale.until_ready();
+        wire::assert_error(&replies[0], "ERROR", "42P05");
+        // Skipped: the batch failed before the Close and the Parse.
+        stale.send(&[wire::parse("s2", insert, &[]), wire::sync()].concat());
+        stale.until_ready();
+        stale.send(
+            &[
+                wire::parse("", "SELECT 1/0", &[]),
+                wire::bind("", "", &[]),
+                wire::execute("", 0),
+                wire::close(b'S', "s2"),
+                wire::parse("s2", "SELECT 1", &[]),
+                wire::sync(),
+            ]
+            .concat(),
+        );
+        let replies = stale.until_ready();
+        wire::assert_error(&replies[replies.len() - 2], "ERROR", "22012");
+        for name in ["s1", "s2"] {
+            stale.send(&run(name));
+            let replies = stale.until_ready();
+            let context = format!("fast_path = {fast_path}, {name}: {replies:?}");
+            let error = replies
+                .iter()
+                .find(|m| m.tag == b'E')
+                .unwrap_or_else(|| panic!("no error: {context}"));
+            wire::assert_error(error, "ERROR", "FN001");
+        }
+        assert_eq!(
+            fx.count("renamed WHERE tag = 'stale 33'").await,
+            0,
+            "fast_path = {fast_path}"
+        );
+    }
+}

@@ -112,6 +112,12 @@ impl Session {
         self.replies.push(request, super::replies::Origin::Client);
     }
 
+    /// Forwards a Parse or Bind of statement or portal `name` (see `Pending::name`).
+    fn forward_named(&mut self, frame: &[u8], request: Request, name: &[u8]) {
+        self.to_server.extend_from_slice(frame);
+        self.replies.push_named(request, name);
+    }
+
     /// Notes when a client request that ends in ReadyForQuery went upstream.
     #[inline]
     fn sent(&mut self, request: Request) {
@@ -368,7 +374,7 @@ impl Session {
             let prepared = self.prepared(sql);
             self.statements.insert(name.into(), prepared);
         }
-        self.forward(frame, Request::Parse);
+        self.forward_named(frame, Request::Parse, name);
         Ok(())
     }
 
@@ -420,7 +426,7 @@ impl Session {
         } else {
             self.portals.remove(portal);
         }
-        self.forward(frame, Request::Bind);
+        self.forward_named(frame, Request::Bind, portal);
         Ok(Flow::Continue)
     }
 

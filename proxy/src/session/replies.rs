@@ -107,6 +107,9 @@ pub struct Pending {
     /// For `Query`: the plan. Boxed elsewhere would cost an allocation per query; the
     /// empty plan allocates nothing.
     pub plan: QueryPlan,
+    /// For a client's Parse or Bind: the statement or portal it names (empty: the unnamed
+    /// one), whose analysis pgfence must forget if the server refuses or skips the request.
+    pub name: Option<Box<[u8]>>,
 }
 
 /// The queue of owed replies.
@@ -122,6 +125,18 @@ impl Replies {
             request,
             origin,
             plan: QueryPlan::default(),
+            name: None,
+        });
+    }
+
+    /// A client's Parse or Bind of statement or portal `name`.
+    #[inline]
+    pub fn push_named(&mut self, request: Request, name: &[u8]) {
+        self.queue.push_back(Pending {
+            request,
+            origin: Origin::Client,
+            plan: QueryPlan::default(),
+            name: Some(name.into()),
         });
     }
 
@@ -131,6 +146,7 @@ impl Replies {
             request: Request::Query,
             origin: Origin::Client,
             plan,
+            name: None,
         });
     }
 
@@ -184,15 +200,20 @@ impl Replies {
     }
 
     /// After an error in the extended protocol the server skips every message up to the
-    /// next Sync: drop their entries, telling `skipped` the origin of each (a Parse of
-    /// pgfence's that never ran left no statement behind).
-    pub fn skip_to_sync(&mut self, mut skipped: impl FnMut(Origin)) {
+    /// next Sync: drops their entries and returns the ones whose effect pgfence assumed
+    /// when sending them (a Parse or Bind, of the client or of pgfence): none of them
+    /// happened.
+    pub fn skip_to_sync(&mut self) -> Vec<Pending> {
+        let mut skipped = Vec::new();
         while let Some(p) = self.queue.front() {
             if p.request.is_sync_point() {
                 break;
             }
-            skipped(p.origin);
-            self.queue.pop_front();
+            let p = self.queue.pop_front().expect("front exists");
+            if matches!(p.request, Request::Parse | Request::Bind | Request::Close) {
+                skipped.push(p);
+            }
         }
+        skipped
     }
 }

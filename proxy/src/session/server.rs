@@ -7,7 +7,7 @@ use fence_core::rejection::Rejection;
 use crate::error::SessionError;
 use crate::protocol::message::{self as msg, Backend};
 
-use super::replies::{AfterCheck, Injected, Origin, Request};
+use super::replies::{AfterCheck, Injected, Origin, Pending, Request};
 use super::{CommitCheck, CopyIn, Hold, Session};
 
 /// `in_failed_sql_transaction`: the transaction had already failed before pgfence's check.
@@ -183,9 +183,6 @@ impl Session {
                 Origin::Injected(Injected::Check | Injected::PrepareCheck(_))
             ),
         };
-        // pgfence's own statement could not be prepared (schema not installed?): the client
-        // must learn it, and the next check prepares again.
-        self.fence.not_prepared(origin);
         if request == Request::Bind
             && origin == Origin::Injected(Injected::Check)
             && fields.code == NO_SUCH_STATEMENT
@@ -195,10 +192,12 @@ impl Session {
             self.fence.forget_prepared();
         }
         if !request.is_sync_point() {
-            self.replies.pop();
-            let fence = &mut self.fence;
-            self.replies
-                .skip_to_sync(|skipped| fence.not_prepared(skipped));
+            if let Some(failed) = self.replies.pop() {
+                self.refused(&failed);
+            }
+            for skipped in self.replies.skip_to_sync() {
+                self.refused(&skipped);
+            }
             if from_check && matches!(self.commit_check, CommitCheck::Pending { .. }) {
                 self.sync_after_skipped_commit();
             }
@@ -233,6 +232,33 @@ impl Session {
             return;
         }
         self.to_client.extend_from_slice(frame);
+    }
+
+    /// The server refused `request` (its error) or skipped it (after an error earlier in
+    /// its batch): what pgfence assumed when sending it does not hold.
+    /// - A Parse of one of pgfence's statements: the statement does not exist (or, refused
+    ///   in an aborted transaction, no longer does); the next use prepares it (a client
+    ///   learns why from the error, if it was not skipped).
+    /// - A client's Parse or Bind: the server kept the statement or portal of that name it
+    ///   had before (a Parse of an existing name fails with 42P05), or none, and the text
+    ///   pgfence analysed is not what it holds: pgfence forgets the name, and a portal it
+    ///   does not know counts as one that may write.
+    fn refused(&mut self, request: &Pending) {
+        self.fence.not_prepared(request.origin);
+        let Some(name) = &request.name else {
+            return;
+        };
+        match (request.request, name.is_empty()) {
+            (Request::Parse, true) => self.unnamed_statement = None,
+            (Request::Parse, false) => {
+                self.statements.remove(name);
+            }
+            (Request::Bind, true) => self.unnamed_portal = None,
+            (Request::Bind, false) => {
+                self.portals.remove(name);
+            }
+            _ => {}
+        }
     }
 
     /// The check right before a client's lone COMMIT Query failed: after an error in the
