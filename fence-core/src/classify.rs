@@ -78,10 +78,17 @@ pub enum StatementKind {
     /// Cannot run in a transaction block, or commits internally, so it cannot be fenced
     /// atomically: `VACUUM`, `CREATE`/`DROP DATABASE`, `CREATE`/`DROP TABLESPACE`,
     /// `ALTER SYSTEM`, `CREATE`/`DROP INDEX CONCURRENTLY`, `REINDEX ... CONCURRENTLY`,
-    /// `REINDEX SYSTEM`/`DATABASE`, `CLUSTER` without a table, `CALL`, `COMMIT PREPARED`, `ROLLBACK PREPARED`, `ALTER DATABASE ... SET
+    /// `REINDEX SYSTEM`/`DATABASE`, `CLUSTER` without a table, `CALL`, `ALTER DATABASE ... SET
     /// TABLESPACE`, `CREATE`/`DROP SUBSCRIPTION`, `ALTER SUBSCRIPTION ... PUBLICATION`,
     /// `ALTER TABLE ... DETACH PARTITION ... CONCURRENTLY`.
     NonTransactional,
+    /// `COMMIT PREPARED 'gid'`, `ROLLBACK PREPARED 'gid'`: finishes a transaction that was
+    /// checked at its `PREPARE TRANSACTION`, and writes nothing of its own, so it is not
+    /// checked again. (Checked before it, in a transaction of its own as a
+    /// `NonTransactional` statement is, the check would wait for the locks the prepared
+    /// transaction holds on its fences until the very `COMMIT PREPARED` it holds back.)
+    /// Cannot run in a transaction block.
+    FinishPrepared,
     /// `DISCARD ALL`, `DISCARD PLANS`, `DEALLOCATE ...`: drops prepared statements, so the
     /// proxy must prepare its own again. (`DISCARD ALL` also cannot run in a transaction
     /// block; its only writes are to the session's temporary objects.)

@@ -21,8 +21,15 @@
 //!   commits inside) and CREATE INDEX CONCURRENTLY get the check in a transaction of their
 //!   own first: a stale token stops them before they run.
 //!
+//! - From drivers' reports: a check statement skipped or dropped, or forgotten after a
+//!   DEALLOCATE, is prepared again; a fast-path rejection in a block shows only its error; a
+//!   client's Parse the server refused or skipped does not change what pgfence thinks the
+//!   name runs; `COMMIT PREPARED`/`ROLLBACK PREPARED` with a token finish.
+//!
 //! Every rejection is asserted field by field (SPEC section 5), and the session is then
 //! shown to be usable and outside any transaction.
+
+use std::time::Duration;
 
 use harness::fence::{
     assert_rejected, conflicting, connect_with_notices, drain_notices, install, invalid_resource,
@@ -1362,4 +1369,53 @@ async fn a_refused_or_skipped_parse_does_not_change_what_pgfence_thinks_a_name_r
             "fast_path = {fast_path}"
         );
     }
+}
+
+/// `COMMIT PREPARED` and `ROLLBACK PREPARED` finish a transaction checked at its `PREPARE
+/// TRANSACTION`: they are not checked again. A check before them, in a transaction of its
+/// own, waited for the prepared transaction's locks on its fence, held until the very
+/// `COMMIT PREPARED` it held back: a new fence, or an advanced one, never committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prepared_transactions_finish_with_a_token() {
+    let fx = Fixture::start("CREATE TABLE twophase (tag text);", |_| {}).await;
+    let r = "twophase";
+    let within = |what: &'static str| {
+        move |result: Result<Result<(), tokio_postgres::Error>, tokio::time::error::Elapsed>| {
+            result
+                .unwrap_or_else(|_| panic!("{what}: no answer within 10 s"))
+                .unwrap_or_else(|e| panic!("{what}: {e:?}"))
+        }
+    };
+    let ten = Duration::from_secs(10);
+    // A new fence, simple protocol.
+    let s = fx.leader(r, 5).await;
+    s.simple("BEGIN; INSERT INTO twophase VALUES ('5'); PREPARE TRANSACTION 'new_fence'")
+        .await
+        .unwrap();
+    within("COMMIT PREPARED of a new fence")(
+        tokio::time::timeout(ten, s.simple("COMMIT PREPARED 'new_fence'")).await,
+    );
+    assert_eq!(fx.fence(r).await, Some(5));
+    // An advance, extended protocol.
+    let s = fx.leader(r, 6).await;
+    s.simple("BEGIN").await.unwrap();
+    s.extended("INSERT INTO twophase VALUES ('6')")
+        .await
+        .unwrap();
+    s.extended("PREPARE TRANSACTION 'advance'").await.unwrap();
+    within("COMMIT PREPARED of an advance")(
+        tokio::time::timeout(ten, s.extended("COMMIT PREPARED 'advance'")).await,
+    );
+    assert_eq!(fx.fence(r).await, Some(6));
+    // Rolled back: neither the row nor the advance.
+    let s = fx.leader(r, 7).await;
+    s.simple("BEGIN; INSERT INTO twophase VALUES ('7'); PREPARE TRANSACTION 'dropped'")
+        .await
+        .unwrap();
+    within("ROLLBACK PREPARED")(
+        tokio::time::timeout(ten, s.simple("ROLLBACK PREPARED 'dropped'")).await,
+    );
+    assert_eq!(fx.fence(r).await, Some(6));
+    assert_eq!(fx.count("twophase").await, 2);
+    assert_eq!(fx.count("pg_prepared_xacts").await, 0);
 }

@@ -498,9 +498,9 @@ impl<'a> Scan<'a> {
             b"prepare" => self.prepare(),
             b"begin" => Begin,
             b"start" if self.word_is(1, "transaction") => Begin,
-            b"commit" if self.word_is(1, "prepared") => NonTransactional,
+            b"commit" if self.word_is(1, "prepared") => FinishPrepared,
             b"commit" | b"end" => Commit,
-            b"rollback" if self.word_is(1, "prepared") => NonTransactional,
+            b"rollback" if self.word_is(1, "prepared") => FinishPrepared,
             b"rollback" => {
                 let work = self.word_is(1, "work") || self.word_is(1, "transaction");
                 if self.word_is(1, "to") || (work && self.word_is(2, "to")) {

@@ -83,8 +83,8 @@ fn transaction_control() {
         ("RELEASE SAVEPOINT s1", Savepoint),
         ("RELEASE s1", Savepoint),
         ("PREPARE TRANSACTION 'gid-1'", PrepareTransaction),
-        ("COMMIT PREPARED 'gid-1'", NonTransactional),
-        ("ROLLBACK PREPARED 'gid-1'", NonTransactional),
+        ("COMMIT PREPARED 'gid-1'", FinishPrepared),
+        ("ROLLBACK PREPARED 'gid-1'", FinishPrepared),
         ("START something", MayWrite),
     ]);
     assert!(Commit.ends_transaction() && PrepareTransaction.ends_transaction());

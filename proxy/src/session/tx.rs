@@ -75,7 +75,7 @@ impl TxState {
             StatementKind::RollbackToSavepoint => self.dirty = true,
             StatementKind::MayWrite | StatementKind::NonTransactional => self.dirty = true,
             StatementKind::ReadOnly | StatementKind::Discard => self.dirty |= self.check_reads,
-            StatementKind::Savepoint | StatementKind::Empty => {}
+            StatementKind::Savepoint | StatementKind::Empty | StatementKind::FinishPrepared => {}
         }
     }
 
@@ -160,7 +160,8 @@ impl TxState {
                 }
                 StatementKind::MayWrite | StatementKind::NonTransactional => self.dirty = true,
                 StatementKind::ReadOnly | StatementKind::Discard => self.dirty |= self.check_reads,
-                StatementKind::Savepoint | StatementKind::Empty => {}
+                StatementKind::Savepoint | StatementKind::Empty | StatementKind::FinishPrepared => {
+                }
             }
         }
         if self.dirty && in_block != Some(true) {
