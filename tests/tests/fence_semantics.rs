@@ -1419,3 +1419,62 @@ async fn prepared_transactions_finish_with_a_token() {
     assert_eq!(fx.count("twophase").await, 2);
     assert_eq!(fx.count("pg_prepared_xacts").await, 0);
 }
+
+/// The fast path acts only on fences that committed: a token a check accepted in a
+/// transaction that then failed at COMMIT (a deferred constraint) or was prepared and rolled
+/// back never became the fence, and a lower token the database accepts is not rejected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fast_path_learns_only_committed_fences() {
+    let fx = Fixture::start(
+        "CREATE TABLE learned (id int UNIQUE DEFERRABLE INITIALLY DEFERRED);",
+        |_| {},
+    )
+    .await;
+    for (n, protocol) in PROTOCOLS.into_iter().enumerate() {
+        let r = format!("learned_{n}");
+        fx.leader(&r, 30)
+            .await
+            .simple(&format!("INSERT INTO learned VALUES ({})", 300 + n))
+            .await
+            .unwrap();
+        let s = fx.leader(&r, 40).await;
+        let result = s
+            .run(
+                protocol,
+                &[
+                    "BEGIN",
+                    "INSERT INTO learned VALUES (1)",
+                    "INSERT INTO learned VALUES (1)",
+                    "COMMIT",
+                ],
+            )
+            .await;
+        let code = result
+            .expect_err("the deferred constraint fails at COMMIT")
+            .as_db_error()
+            .map(|e| e.code().code().to_owned());
+        assert_eq!(code.as_deref(), Some("23505"), "{protocol:?}");
+        assert_eq!(fx.fence(&r).await, Some(30), "{protocol:?}");
+        fx.leader(&r, 35)
+            .await
+            .run(
+                protocol,
+                &[&format!("INSERT INTO learned VALUES ({})", 350 + n)],
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{protocol:?}: 35 after 40 failed to commit: {e:?}"));
+        assert_eq!(fx.fence(&r).await, Some(35), "{protocol:?}");
+    }
+    let r = "learned_prepared";
+    let s = fx.leader(r, 50).await;
+    s.simple("BEGIN; INSERT INTO learned VALUES (50); PREPARE TRANSACTION 'learned'")
+        .await
+        .unwrap();
+    s.simple("ROLLBACK PREPARED 'learned'").await.unwrap();
+    fx.leader(r, 36)
+        .await
+        .simple("INSERT INTO learned VALUES (36)")
+        .await
+        .expect("36 after 50 was rolled back");
+    assert_eq!(fx.fence(r).await, Some(36));
+}

@@ -85,6 +85,9 @@ pub struct FenceSettings {
     /// resource, or its last check accepted a token): its checks skip the guard of
     /// [`sql::guarded_check_sql`], which would only cost them. Either statement is correct.
     pub looks_fenced: bool,
+    /// Tokens a check accepted in the transaction still open: they become fences, which
+    /// the fast path may act on, only once it commits (see `Session::settle_accepted`).
+    pub accepted: Vec<(String, i64)>,
 }
 
 impl FenceSettings {
@@ -137,6 +140,7 @@ impl FenceSettings {
             fast_reject_prepared: false,
             binds: Default::default(),
             looks_fenced,
+            accepted: Vec::new(),
         }
     }
 
@@ -359,8 +363,6 @@ impl Session {
             return;
         };
         for (resource, token) in sql::parse_check_result(value) {
-            let before = self.shared.fences.get(&resource);
-            self.shared.fences.observe(&resource, token);
             metrics
                 .checks
                 .get_or_create(&CheckLabels {
@@ -368,15 +370,31 @@ impl Session {
                     outcome: "accepted",
                 })
                 .inc();
+            self.fence.accepted.push((resource, token));
+        }
+    }
+
+    /// The transaction whose checks accepted [`FenceSettings::accepted`] ended: committed,
+    /// they are fences now (the fast path learns them, the gauge and the log say so);
+    /// otherwise (an error, `ROLLBACK`, `PREPARE TRANSACTION`) they are forgotten. A fence
+    /// learned from a transaction that never committed would make the fast path reject
+    /// tokens the database accepts.
+    pub(super) fn settle_accepted(&mut self, committed: bool) {
+        if !committed {
+            self.fence.accepted.clear();
+            return;
+        }
+        for (resource, token) in std::mem::take(&mut self.fence.accepted) {
+            let before = self.shared.fences.get(&resource);
+            self.shared.fences.observe(&resource, token);
             if before.is_none_or(|b| b < token) {
-                metrics
+                self.shared
+                    .metrics
                     .fence_token
                     .get_or_create(&ResourceLabel {
                         resource: resource.clone(),
                     })
                     .set(token);
-            }
-            if before.is_none_or(|b| b < token) {
                 info!(
                     resource = %resource,
                     previous = before.map(|b| b.to_string()).unwrap_or_else(|| "none".into()),

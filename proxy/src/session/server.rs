@@ -58,6 +58,14 @@ impl Session {
                 _ => self.forward_if_client(frame),
             },
             Backend::CommandComplete | Backend::EmptyQueryResponse | Backend::PortalSuspended => {
+                if !self.fence.accepted.is_empty()
+                    && matches!(
+                        msg::command_tag(frame),
+                        b"ROLLBACK" | b"PREPARE TRANSACTION"
+                    )
+                {
+                    self.settle_accepted(false);
+                }
                 self.on_statement_done(kind, frame)
             }
             Backend::ErrorResponse => self.on_error(frame),
@@ -157,6 +165,10 @@ impl Session {
     }
 
     fn on_error(&mut self, frame: &[u8]) {
+        if !self.fence.accepted.is_empty() {
+            // Whatever failed, the transaction of the accepted tokens may not commit.
+            self.settle_accepted(false);
+        }
         if self.copy_in == CopyIn::Started {
             // The COPY failed: the server left copy-in mode and answers the next Sync.
             self.copy_in = CopyIn::Sent;
@@ -310,6 +322,10 @@ impl Session {
             }
         }
         let settled = self.replies.is_empty();
+        if !self.fence.accepted.is_empty() && status != b'T' {
+            // Idle: the transaction committed (a failure would have come as an error first).
+            self.settle_accepted(status == b'I');
+        }
         self.tx.on_ready(status, settled);
         self.release_held_complete();
         if settled {
