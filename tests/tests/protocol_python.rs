@@ -2,8 +2,9 @@
 //! the scripts' own expectations), then through pgfence (PGFENCE_DSN). Every test of each
 //! script must report `ok`.
 //!
-//! - [`psycopg_scripts_direct_and_through_pgfence`]: psycopg 3, `tests/python/test_smoke.py`
-//!   and `tests/python/test_protocol.py`, through pgfence with the fence on and with it off.
+//! - [`psycopg_scripts_direct_and_through_pgfence`]: psycopg 3, `tests/python/test_smoke.py`,
+//!   `tests/python/test_protocol.py` and `tests/python/test_psycopg_advanced.py`, through
+//!   pgfence with the fence on and with it off.
 //! - [`asyncpg_direct_and_through_pgfence`]: asyncpg, `tests/python/test_asyncpg.py`, through
 //!   pgfence with the fence on (fast path on, and off so the database rejects every stale
 //!   write) and with it off; the script expects stale writes rejected only where the fence
@@ -34,6 +35,24 @@ const SCRIPTS: &[(&str, &[&str])] = &[
             "notifications",
             "cancel",
             "scram_login",
+        ],
+    ),
+    (
+        "test_psycopg_advanced.py",
+        &[
+            "pipeline_error_mid_pipeline",
+            "pipeline_executemany",
+            "pipeline_fenced_transaction",
+            "pipeline_stale_token",
+            "prepared_eviction",
+            "prepare_threshold_runtime",
+            "two_phase_commit",
+            "failed_commit_then_lower_token",
+            "statement_name_reparse",
+            "named_cursor_fenced_transaction",
+            "copy_binary",
+            "autocommit_savepoints_set_token",
+            "cancel_then_fenced_writes",
         ],
     ),
 ];
