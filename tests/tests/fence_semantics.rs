@@ -1478,3 +1478,24 @@ async fn the_fast_path_learns_only_committed_fences() {
         .expect("36 after 50 was rolled back");
     assert_eq!(fx.fence(r).await, Some(36));
 }
+
+/// With `skip_read_only = false` every statement counts as a write, but `DISCARD ALL` cannot
+/// run in a transaction block: a check appended to it would make it fail. It writes nothing
+/// a fence protects (its only writes drop the session's temporary objects).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn discard_all_runs_when_reads_are_checked() {
+    let fx = Fixture::start("CREATE TABLE discarded (tag text);", |c| {
+        c.fence.skip_read_only = false;
+    })
+    .await;
+    let s = fx.leader("discarded", 3).await;
+    for protocol in PROTOCOLS {
+        s.run(protocol, &["DISCARD ALL"])
+            .await
+            .unwrap_or_else(|e| panic!("{protocol:?}: {e:?}"));
+        s.run(protocol, &["INSERT INTO discarded VALUES ('after')"])
+            .await
+            .unwrap_or_else(|e| panic!("{protocol:?}: write after DISCARD ALL: {e:?}"));
+    }
+    assert_eq!(fx.count("discarded").await, 2);
+}

@@ -74,8 +74,13 @@ impl TxState {
             }
             StatementKind::RollbackToSavepoint => self.dirty = true,
             StatementKind::MayWrite | StatementKind::NonTransactional => self.dirty = true,
-            StatementKind::ReadOnly | StatementKind::Discard => self.dirty |= self.check_reads,
-            StatementKind::Savepoint | StatementKind::Empty | StatementKind::FinishPrepared => {}
+            StatementKind::ReadOnly => self.dirty |= self.check_reads,
+            // `DISCARD ALL` cannot run in a block, so nothing may be appended to it; it writes
+            // nothing a fence protects.
+            StatementKind::Savepoint
+            | StatementKind::Empty
+            | StatementKind::FinishPrepared
+            | StatementKind::Discard => {}
         }
     }
 
@@ -159,9 +164,11 @@ impl TxState {
                     failed = false;
                 }
                 StatementKind::MayWrite | StatementKind::NonTransactional => self.dirty = true,
-                StatementKind::ReadOnly | StatementKind::Discard => self.dirty |= self.check_reads,
-                StatementKind::Savepoint | StatementKind::Empty | StatementKind::FinishPrepared => {
-                }
+                StatementKind::ReadOnly => self.dirty |= self.check_reads,
+                StatementKind::Savepoint
+                | StatementKind::Empty
+                | StatementKind::FinishPrepared
+                | StatementKind::Discard => {}
             }
         }
         if self.dirty && in_block != Some(true) {
