@@ -145,6 +145,15 @@ fn read_only_selects() {
         ("SELECT * FROM (VALUES (1, 2)) AS v(a, b)", ReadOnly),
         ("SELECT * FROM unnest($1::int[]) AS u(id)", ReadOnly),
         ("SELECT * FROM generate_series(1, 10) AS g(i)", ReadOnly),
+        // Catalog lookups of drivers and ORMs (SQLAlchemy's hstore OID query).
+        (
+            "SELECT t.oid, typarray FROM pg_type t JOIN pg_namespace ns ON typnamespace = ns.oid WHERE typname = 'hstore' AND t.oid = to_regtype($1)",
+            ReadOnly,
+        ),
+        (
+            "SELECT pg_catalog.format_type(a.atttypid, a.atttypmod), pg_catalog.pg_get_expr(d.adbin, d.adrelid) FROM pg_attribute a LEFT JOIN pg_attrdef d ON (a.attrelid, a.attnum) = (d.adrelid, d.adnum) WHERE a.attrelid = to_regclass('t')",
+            ReadOnly,
+        ),
         (
             "SELECT x FROM t ORDER BY x FETCH FIRST (5) ROWS ONLY",
             ReadOnly,
