@@ -151,6 +151,18 @@ impl FenceSettings {
         self.fast_reject_prepared = false;
     }
 
+    /// The server answered a Parse of `origin` with ParseComplete: if it was one of
+    /// pgfence's statements, it exists now.
+    pub fn prepared(&mut self, origin: Origin) {
+        match origin {
+            Origin::Injected(Injected::PrepareCheck(statement)) => {
+                self.checks_prepared[statement as usize] = true;
+            }
+            Origin::Injected(Injected::Prepare) => self.fast_reject_prepared = true,
+            _ => {}
+        }
+    }
+
     /// A request of `origin` failed or was skipped after an error: if it was the Parse of one
     /// of pgfence's statements, that statement does not exist, and its next use prepares it.
     /// The others stay (preparing an existing one again would fail with 42P05).
@@ -237,7 +249,9 @@ impl Session {
             CheckStatement::Session
         };
         if !self.fence.checks_prepared[statement as usize] {
-            self.fence.checks_prepared[statement as usize] = true;
+            // Marked prepared when the server says so (ParseComplete): until then, another
+            // check prepares it again, since this Parse may yet be skipped after an error
+            // pgfence has not seen (the Close makes that harmless).
             let sql = match statement {
                 CheckStatement::Guarded => {
                     sql::guarded_check_sql(&self.fence.allow_missing, &self.fence.client)
@@ -332,7 +346,6 @@ impl Session {
             self.replies.push(Request::Close, origin);
             msg::parse(&mut self.to_server, FAST_REJECT_NAME, FAST_REJECT_SQL);
             self.replies.push(Request::Parse, origin);
-            self.fence.fast_reject_prepared = true;
         }
         let params = [
             Some(resource.as_str().as_bytes().to_vec()),

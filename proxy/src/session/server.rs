@@ -29,8 +29,10 @@ impl Session {
             }
             Backend::ParseComplete | Backend::BindComplete | Backend::CloseComplete => {
                 let origin = self.replies.pop().map(|p| p.origin);
-                if origin == Some(Origin::Client) || origin.is_none() {
-                    self.to_client.extend_from_slice(frame);
+                match origin {
+                    Some(Origin::Client) | None => self.to_client.extend_from_slice(frame),
+                    Some(origin) if kind == Backend::ParseComplete => self.fence.prepared(origin),
+                    Some(_) => {}
                 }
             }
             Backend::RowDescription | Backend::NoData => match self.replies.front() {

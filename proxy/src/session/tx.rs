@@ -72,7 +72,9 @@ impl TxState {
                 self.end();
                 self.view = View::Unknown;
             }
-            StatementKind::RollbackToSavepoint => self.dirty = true,
+            // Outside a block it only fails: nothing to check, and a check added to it would
+            // change how it fails.
+            StatementKind::RollbackToSavepoint => self.dirty |= self.view != View::Idle,
             StatementKind::MayWrite | StatementKind::NonTransactional => self.dirty = true,
             StatementKind::ReadOnly => self.dirty |= self.check_reads,
             // `DISCARD ALL` cannot run in a block, so nothing may be appended to it; it writes
@@ -160,7 +162,7 @@ impl TxState {
                     control = true;
                 }
                 StatementKind::RollbackToSavepoint => {
-                    self.dirty = true;
+                    self.dirty |= in_block != Some(false);
                     failed = false;
                 }
                 StatementKind::MayWrite | StatementKind::NonTransactional => self.dirty = true,
