@@ -1,0 +1,988 @@
+//! Randomized differential protocol test: random sessions of simple-protocol queries and
+//! pipelined extended-protocol batches, sent as the same raw bytes straight to PostgreSQL,
+//! through pgfence with the fence on, and through pgfence with the fence off; the replies
+//! must be the same, step by step.
+//!
+//! It hunts for pgfence's view of the protocol state drifting from the server's: pgfence
+//! injects its own Parse/Bind/Execute (or appends its check to a Query) where a transaction
+//! that wrote may end, hides their replies, and tracks the replies it is owed in a queue. An
+//! error in a batch, a name that already exists, a suspended portal, a transaction ended
+//! inside a batch or a Query pipelined behind one must not put that queue out of step.
+//!
+//! Three clusters are copies of one template set up alike (the fence schema, table `r`), so
+//! object ids match, as in `protocol_differential.rs`. Tokens only ever increase (1000 plus
+//! the number of sessions run so far), so the fence never rejects anything and the replies
+//! must be byte-identical; only BackendKeyData is normalised.
+//!
+//! The generator (a seeded [`StdRng`]) draws, per session, a startup variant (no token;
+//! `options=-c fencing.resource=rnd -c fencing.token=T`; no session token but
+//! `/* fencing_token=T fencing_resource=rnd */` comments), a reset of `r`, then random steps:
+//!
+//! - simple Query: one to four statements among transaction control (`BEGIN`, `COMMIT`,
+//!   `ROLLBACK`, `END`, `START TRANSACTION`, `ABORT`, `COMMIT AND CHAIN`,
+//!   `ROLLBACK AND CHAIN`, `SAVEPOINT s`,
+//!   `ROLLBACK TO SAVEPOINT s`, `RELEASE s`), writes to `r` (INSERT, UPDATE, DELETE, upsert,
+//!   a data-modifying CTE, a DO block, SELECT ... FOR UPDATE; with fencing comments in token
+//!   sessions), reads, failing statements (division by zero, duplicate key, NOT NULL, an
+//!   unknown table, a syntax error), `SET [LOCAL] fencing.token` / `RESET` in token sessions,
+//!   the empty query; sometimes several Query messages pipelined in one write;
+//! - extended protocol batches of Parse (named or unnamed, names reused: 42P05), Bind (to
+//!   statements that may not exist: 26000; wrong parameter counts), Describe S/P, Execute
+//!   (with a row limit on multi-row SELECTs: PortalSuspended, then more Executes of the
+//!   portal), Close, Flush, mid-batch Syncs, ending with Sync (sometimes two), sometimes
+//!   followed in the same write by a simple Query; or ending with Flush only, the batch
+//!   continued (and synced) by the next step. Execute, Describe and Close of the unnamed
+//!   portal come only after a Bind of it in the same batch (see `Gen::unnamed_bound`: a
+//!   PostgreSQL 15.18 backend crash otherwise);
+//! - at the end, Terminate (the server rolls back what is open).
+//!
+//! Each step is one write; its replies are read up to the number of ReadyForQuery its Syncs
+//! and Queries owe (a step ending in Flush: up to one completion per message, or the first
+//! error). On a mismatch the test fails with the seed, session, step, every message sent in
+//! the session so far and the replies of both sides.
+//!
+//! Environment (defaults: seeds 1..=6, 5 sessions of 25 steps each):
+//!
+//! - `PGFENCE_RANDOM_SEED=n`: run seed `n` only;
+//! - `PGFENCE_RANDOM_SEEDS=count` (and `PGFENCE_RANDOM_FIRST_SEED=n`, default 1): run
+//!   `count` seeds from `n`;
+//! - `PGFENCE_RANDOM_SESSIONS`, `PGFENCE_RANDOM_STEPS`: sessions per seed, steps per session
+//!   (fewer steps keep the first ones as they were: cut a session at its failing step);
+//! - `PGFENCE_RANDOM_SESSION=k`: only session `k` of each seed (sessions are generated
+//!   independently, and each resets `r` first);
+//! - `PGFENCE_RANDOM_DROP=3,5,7.2`: leave out steps 3 and 5 and message 2 of step 7 (counted
+//!   from 0 as printed), to shrink a failure by hand;
+//! - `PGFENCE_RANDOM_KEEP_GOING=1`: after a mismatch go on with the next session, and fail
+//!   at the end with all of them;
+//! - `PGFENCE_RANDOM_LOOSE_ERRORS=1`: compare errors and notices without their source
+//!   location (file, line, routine), to look past a known difference of that kind.
+
+use std::collections::{BTreeSet, HashMap};
+use std::fmt;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use harness::wire::{self, Msg, RawConn, Read1};
+use harness::{PgCluster, Proxy, APP_DB, SUPERUSER};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// The fencing resource of the token sessions.
+const RESOURCE: &str = "rnd";
+/// How long a side may take to answer one step.
+const STEP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One frontend message, kept readable for failure reports.
+#[derive(Clone, Debug)]
+enum Out {
+    Query(String),
+    Parse {
+        name: &'static str,
+        sql: String,
+    },
+    Bind {
+        portal: &'static str,
+        statement: &'static str,
+        params: Vec<String>,
+    },
+    Describe {
+        kind: u8,
+        name: &'static str,
+    },
+    Execute {
+        portal: &'static str,
+        max_rows: i32,
+    },
+    Close {
+        kind: u8,
+        name: &'static str,
+    },
+    Flush,
+    Sync,
+    Terminate,
+}
+
+impl Out {
+    fn bytes(&self) -> Vec<u8> {
+        match self {
+            Out::Query(sql) => wire::query(sql),
+            Out::Parse { name, sql } => wire::parse(name, sql, &[]),
+            Out::Bind {
+                portal,
+                statement,
+                params,
+            } => {
+                let params: Vec<Option<&[u8]>> =
+                    params.iter().map(|p| Some(p.as_bytes())).collect();
+                wire::bind(portal, statement, &params)
+            }
+            Out::Describe { kind, name } => wire::describe(*kind, name),
+            Out::Execute { portal, max_rows } => wire::execute(portal, *max_rows),
+            Out::Close { kind, name } => wire::close(*kind, name),
+            Out::Flush => wire::flush(),
+            Out::Sync => wire::sync(),
+            Out::Terminate => wire::terminate(),
+        }
+    }
+}
+
+impl fmt::Display for Out {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Out::Query(sql) => write!(f, "Query {sql:?}"),
+            Out::Parse { name, sql } => write!(f, "Parse {name:?} {sql:?}"),
+            Out::Bind {
+                portal,
+                statement,
+                params,
+            } => write!(
+                f,
+                "Bind portal {portal:?} statement {statement:?} params {params:?}"
+            ),
+            Out::Describe { kind, name } => write!(f, "Describe {} {name:?}", *kind as char),
+            Out::Execute { portal, max_rows } => {
+                write!(f, "Execute {portal:?} max_rows {max_rows}")
+            }
+            Out::Close { kind, name } => write!(f, "Close {} {name:?}", *kind as char),
+            Out::Flush => write!(f, "Flush"),
+            Out::Sync => write!(f, "Sync"),
+            Out::Terminate => write!(f, "Terminate"),
+        }
+    }
+}
+
+/// How the session presents a token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    NoToken,
+    /// `options=-c fencing.resource=rnd -c fencing.token=T`, sometimes comments too.
+    Options,
+    /// No session token; comments on some writes.
+    Comments,
+}
+
+struct Session {
+    kind: Kind,
+    token: u64,
+    steps: Vec<Vec<Out>>,
+}
+
+impl Session {
+    fn startup(&self) -> Vec<u8> {
+        let options = format!(
+            "-c fencing.resource={RESOURCE} -c fencing.token={}",
+            self.token
+        );
+        let mut params: Vec<(&str, &[u8])> = vec![
+            ("user", SUPERUSER.as_bytes()),
+            ("database", APP_DB.as_bytes()),
+        ];
+        if self.kind == Kind::Options {
+            params.push(("options", options.as_bytes()));
+        }
+        wire::startup_version(wire::PROTOCOL_3_0, &params)
+    }
+
+    fn describe_startup(&self) -> String {
+        match self.kind {
+            Kind::NoToken => "startup: user postgres, database app, no token".to_string(),
+            Kind::Options => format!(
+                "startup: user postgres, database app, options \
+                 '-c fencing.resource={RESOURCE} -c fencing.token={}'",
+                self.token
+            ),
+            Kind::Comments => format!(
+                "startup: user postgres, database app, no session token; comments with token {}",
+                self.token
+            ),
+        }
+    }
+}
+
+/// Draws one session's steps.
+struct Gen {
+    rng: StdRng,
+    kind: Kind,
+    token: u64,
+    /// Parameters of the statement last parsed under each name (the generator's guess;
+    /// a wrong guess gives a Bind error, which is fine).
+    params: HashMap<&'static str, usize>,
+    /// The unnamed portal was bound earlier in the batch being drawn. Execute, Describe and
+    /// Close of the unnamed portal come only after that: PostgreSQL 15.18 keeps the unnamed
+    /// portal of a simple Query that failed in `ROLLBACK TO SAVEPOINT`, and an Execute of it
+    /// after a later Query can crash the backend (signal 11; found by this test).
+    unnamed_bound: bool,
+}
+
+const STATEMENT_NAMES: &[&str] = &["", "a", "b"];
+const PORTAL_NAMES: &[&str] = &["", "p"];
+
+impl Gen {
+    /// A portal name for Execute, Describe or Close without a Bind before it in the unit.
+    fn bound_portal(&mut self) -> &'static str {
+        if self.unnamed_bound && self.chance(0.5) {
+            ""
+        } else {
+            "p"
+        }
+    }
+
+    fn pick<T: Copy>(&mut self, items: &[T]) -> T {
+        items[self.rng.gen_range(0..items.len())]
+    }
+
+    fn chance(&mut self, p: f64) -> bool {
+        self.rng.gen_bool(p)
+    }
+
+    fn key(&mut self) -> u32 {
+        self.rng.gen_range(1..=6)
+    }
+
+    fn comment(&mut self, sql: String) -> String {
+        let p = match self.kind {
+            Kind::NoToken => 0.0,
+            Kind::Options => 0.25,
+            Kind::Comments => 0.6,
+        };
+        if !self.chance(p) {
+            return sql;
+        }
+        let t = self.token;
+        if self.chance(0.7) {
+            format!("/* fencing_token={t} fencing_resource={RESOURCE} */ {sql}")
+        } else {
+            format!("{sql} /*fencing_resource='{RESOURCE}',fencing_token='{t}'*/")
+        }
+    }
+
+    fn tx_control(&mut self) -> String {
+        let choices: &[(&str, u32)] = &[
+            ("BEGIN", 10),
+            ("COMMIT", 8),
+            ("ROLLBACK", 5),
+            ("END", 1),
+            ("START TRANSACTION", 1),
+            ("ABORT", 1),
+            ("COMMIT AND CHAIN", 1),
+            ("ROLLBACK AND CHAIN", 1),
+            ("SAVEPOINT s", 5),
+            ("ROLLBACK TO SAVEPOINT s", 3),
+            ("RELEASE s", 2),
+        ];
+        let total: u32 = choices.iter().map(|c| c.1).sum();
+        let mut at = self.rng.gen_range(0..total);
+        for (sql, w) in choices {
+            if at < *w {
+                return sql.to_string();
+            }
+            at -= w;
+        }
+        unreachable!()
+    }
+
+    fn write(&mut self) -> String {
+        let k = self.key();
+        let sql = match self.rng.gen_range(0..9) {
+            0 | 1 => format!("INSERT INTO r VALUES ({k}, {})", k * 10),
+            2 | 3 => format!("UPDATE r SET v = v + 1 WHERE id = {k}"),
+            4 => format!("DELETE FROM r WHERE id = {k}"),
+            5 => format!(
+                "INSERT INTO r VALUES ({k}, 0) ON CONFLICT (id) DO UPDATE SET v = r.v + 100"
+            ),
+            6 => format!(
+                "WITH w AS (UPDATE r SET v = v + 1 WHERE id = {k} RETURNING id) \
+                 SELECT count(*) FROM w"
+            ),
+            7 => format!("DO $$ BEGIN UPDATE r SET v = v - 1 WHERE id = {k}; END $$"),
+            _ => format!("SELECT id FROM r WHERE id = {k} FOR UPDATE"),
+        };
+        self.comment(sql)
+    }
+
+    fn read(&mut self) -> String {
+        let k = self.key();
+        match self.rng.gen_range(0..5) {
+            0 => "SELECT id, v FROM r ORDER BY id".to_string(),
+            1 => "SELECT count(*), sum(v) FROM r".to_string(),
+            2 => "SELECT 1 AS one".to_string(),
+            3 => "SELECT g FROM generate_series(1, 5) g".to_string(),
+            _ => format!("SELECT v FROM r WHERE id = {k}"),
+        }
+    }
+
+    fn failing(&mut self) -> String {
+        match self.rng.gen_range(0..6) {
+            0 => "SELECT 1/0".to_string(),
+            1 => {
+                let sql = format!("INSERT INTO r VALUES ({}, 1)", self.rng.gen_range(1..=3));
+                self.comment(sql)
+            }
+            2 => "INSERT INTO r VALUES (NULL, 1)".to_string(),
+            3 => "SELECT * FROM no_such_table".to_string(),
+            4 => "UPDATE r SET v = 1/0 WHERE id = 2".to_string(),
+            _ => "SELEC 1".to_string(),
+        }
+    }
+
+    fn token_setting(&mut self) -> String {
+        let t = self.token;
+        match self.rng.gen_range(0..3) {
+            0 => format!("SET fencing.token = {t}"),
+            1 => format!("SET LOCAL fencing.token = {t}"),
+            _ => "RESET fencing.token".to_string(),
+        }
+    }
+
+    /// One SQL statement from the pool.
+    fn statement(&mut self) -> String {
+        let roll = self.rng.gen_range(0..100);
+        match roll {
+            0..=24 => self.tx_control(),
+            25..=59 => self.write(),
+            60..=77 => self.read(),
+            78..=91 => self.failing(),
+            92..=95 if self.kind == Kind::Options => self.token_setting(),
+            92..=95 => self.read(),
+            _ => String::new(),
+        }
+    }
+
+    fn simple_sql(&mut self) -> String {
+        let n = match self.rng.gen_range(0..8) {
+            0..=3 => 1,
+            4 | 5 => 2,
+            6 => 3,
+            _ => 4,
+        };
+        if n == 1 {
+            return self.statement();
+        }
+        let parts: Vec<String> = (0..n)
+            .map(|_| self.statement())
+            .filter(|s| !s.is_empty())
+            .collect();
+        parts.join("; ")
+    }
+
+    fn simple_step(&mut self) -> Vec<Out> {
+        let n = if self.chance(0.15) {
+            self.rng.gen_range(2..=3)
+        } else {
+            1
+        };
+        (0..n).map(|_| Out::Query(self.simple_sql())).collect()
+    }
+
+    /// SQL for a Parse, and its number of parameters.
+    fn parse_sql(&mut self) -> (String, usize) {
+        match self.rng.gen_range(0..100) {
+            0..=3 => ("INSERT INTO r VALUES ($1, $2)".to_string(), 2),
+            4..=5 => ("SELECT $1::int * 2 AS doubled".to_string(), 1),
+            6..=15 => ("SELECT g FROM generate_series(1, 5) g".to_string(), 0),
+            _ => (self.statement(), 0),
+        }
+    }
+
+    fn bind_params(&mut self, statement: &'static str) -> Vec<String> {
+        let mut n = self.params.get(statement).copied().unwrap_or(0);
+        if self.chance(0.05) {
+            n = self.rng.gen_range(0..=2);
+        }
+        (0..n)
+            .map(|_| self.rng.gen_range(1..=7u32).to_string())
+            .collect()
+    }
+
+    fn execute(&mut self, out: &mut Vec<Out>, portal: &'static str) {
+        if self.chance(0.2) {
+            out.push(Out::Execute {
+                portal,
+                max_rows: 2,
+            });
+            for _ in 0..self.rng.gen_range(0..=3) {
+                let max_rows = self.pick(&[0, 1, 2]);
+                out.push(Out::Execute { portal, max_rows });
+            }
+        } else {
+            out.push(Out::Execute {
+                portal,
+                max_rows: 0,
+            });
+        }
+    }
+
+    /// One unit of an extended-protocol batch. `syncs`: whether a Sync may appear.
+    fn unit(&mut self, out: &mut Vec<Out>, syncs: bool) {
+        match self.rng.gen_range(0..100) {
+            0..=54 => {
+                // Parse, Bind, Execute, with Describes now and then.
+                let name = if self.chance(0.65) {
+                    ""
+                } else {
+                    self.pick(&STATEMENT_NAMES[1..])
+                };
+                let (sql, n) = self.parse_sql();
+                self.params.insert(name, n);
+                out.push(Out::Parse { name, sql });
+                if self.chance(0.15) {
+                    out.push(Out::Describe { kind: b'S', name });
+                }
+                let portal = if self.chance(0.8) { "" } else { "p" };
+                let params = self.bind_params(name);
+                out.push(Out::Bind {
+                    portal,
+                    statement: name,
+                    params,
+                });
+                self.unnamed_bound |= portal.is_empty();
+                if self.chance(0.15) {
+                    out.push(Out::Describe {
+                        kind: b'P',
+                        name: portal,
+                    });
+                }
+                self.execute(out, portal);
+            }
+            55..=69 => {
+                // Bind and Execute of a statement that may or may not exist.
+                let statement = if self.chance(0.1) {
+                    "nope"
+                } else {
+                    self.pick(STATEMENT_NAMES)
+                };
+                let portal = self.pick(PORTAL_NAMES);
+                let params = self.bind_params(statement);
+                out.push(Out::Bind {
+                    portal,
+                    statement,
+                    params,
+                });
+                self.unnamed_bound |= portal.is_empty();
+                self.execute(out, portal);
+            }
+            70..=74 => {
+                let portal = self.bound_portal();
+                self.execute(out, portal);
+            }
+            75..=79 => {
+                let kind = self.pick(b"SP");
+                let name = if kind == b'S' {
+                    self.pick(STATEMENT_NAMES)
+                } else {
+                    self.bound_portal()
+                };
+                out.push(Out::Close { kind, name });
+            }
+            80..=84 => {
+                let kind = self.pick(b"SP");
+                let name = if kind == b'S' {
+                    self.pick(STATEMENT_NAMES)
+                } else {
+                    self.bound_portal()
+                };
+                out.push(Out::Describe { kind, name });
+            }
+            85..=89 => out.push(Out::Flush),
+            _ if syncs => {
+                out.push(Out::Sync);
+                self.unnamed_bound = false;
+            }
+            _ => out.push(Out::Flush),
+        }
+    }
+
+    /// An extended-protocol batch. Returns the messages and whether the batch stays open
+    /// (ends with Flush, no Sync: the next step continues it).
+    fn extended_step(&mut self) -> (Vec<Out>, bool) {
+        let open = self.chance(0.08);
+        let mut out = Vec::new();
+        for _ in 0..self.rng.gen_range(1..=4) {
+            self.unit(&mut out, !open);
+        }
+        if open {
+            out.push(Out::Flush);
+            return (out, true);
+        }
+        out.push(Out::Sync);
+        self.unnamed_bound = false;
+        if self.chance(0.07) {
+            out.push(Out::Sync);
+        }
+        if self.chance(0.1) {
+            out.push(Out::Query(self.simple_sql()));
+        }
+        (out, false)
+    }
+
+    fn session(mut self, steps: usize) -> Session {
+        let mut out = vec![vec![Out::Query(
+            "TRUNCATE r; INSERT INTO r VALUES (1, 10), (2, 20), (3, 30)".to_string(),
+        )]];
+        let mut open = false;
+        for _ in 0..steps {
+            if !open && self.chance(0.4) {
+                out.push(self.simple_step());
+            } else {
+                let (step, still_open) = self.extended_step();
+                out.push(step);
+                open = still_open;
+            }
+        }
+        out.push(vec![Out::Terminate]);
+        Session {
+            kind: self.kind,
+            token: self.token,
+            steps: out,
+        }
+    }
+}
+
+fn generate(seed: u64, session: usize, steps: usize, token: u64) -> Session {
+    let mix = seed
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .wrapping_add(session as u64)
+        .wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    let mut rng = StdRng::seed_from_u64(mix);
+    let kind = match rng.gen_range(0..10) {
+        0..=3 => Kind::NoToken,
+        4..=7 => Kind::Options,
+        _ => Kind::Comments,
+    };
+    Gen {
+        rng,
+        kind,
+        token,
+        params: HashMap::new(),
+        unnamed_bound: false,
+    }
+    .session(steps)
+}
+
+/// How far to read one step's replies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Expect {
+    /// This many ReadyForQuery.
+    Ready(usize),
+    /// A batch without Sync, flushed: one completion per message, or up to an error.
+    Completions(usize),
+    /// Nothing (the batch failed in an earlier step and is skipped up to its Sync).
+    Nothing,
+    /// The connection's end.
+    Closed,
+}
+
+fn expect(step: &[Out], batch_failed: bool) -> Expect {
+    if step.iter().any(|m| matches!(m, Out::Terminate)) {
+        return Expect::Closed;
+    }
+    let ready = step
+        .iter()
+        .filter(|m| matches!(m, Out::Sync | Out::Query(_)))
+        .count();
+    if ready > 0 {
+        return Expect::Ready(ready);
+    }
+    if batch_failed {
+        return Expect::Nothing;
+    }
+    Expect::Completions(step.iter().filter(|m| !matches!(m, Out::Flush)).count())
+}
+
+/// What one side answered to one step.
+#[derive(Clone, PartialEq, Eq)]
+struct Replies {
+    msgs: Vec<Msg>,
+    /// How reading ended if not as expected (timeout, closed).
+    trouble: Option<String>,
+}
+
+fn read(conn: &mut RawConn, expect: Expect) -> Replies {
+    let deadline = Instant::now() + STEP_TIMEOUT;
+    let mut msgs = Vec::new();
+    let (mut ready, mut done) = (0, 0);
+    let target_done = |ready: usize, done: usize, msgs: &[Msg]| match expect {
+        Expect::Ready(n) => ready == n,
+        Expect::Completions(n) => done == n || msgs.last().is_some_and(|m| m.tag == b'E'),
+        Expect::Nothing => true,
+        Expect::Closed => false,
+    };
+    if matches!(expect, Expect::Nothing | Expect::Completions(0)) {
+        return Replies {
+            msgs,
+            trouble: None,
+        };
+    }
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match conn.next(left.max(Duration::from_millis(1))) {
+            Ok(Read1::Msg(m)) => {
+                match m.tag {
+                    b'Z' => ready += 1,
+                    b'1' | b'2' | b'3' | b'n' | b'T' | b'C' | b's' | b'I' => done += 1,
+                    _ => {}
+                }
+                msgs.push(normalise(m));
+                if target_done(ready, done, &msgs) {
+                    return Replies {
+                        msgs,
+                        trouble: None,
+                    };
+                }
+            }
+            Ok(Read1::Closed) => {
+                let trouble = (expect != Expect::Closed).then(|| "connection closed".to_string());
+                return Replies { msgs, trouble };
+            }
+            Err(e) => {
+                return Replies {
+                    msgs,
+                    trouble: Some(e),
+                }
+            }
+        }
+    }
+}
+
+/// Replaces what legitimately differs: BackendKeyData. With `PGFENCE_RANDOM_LOOSE_ERRORS=1`
+/// also the source location (file, line, routine) of errors and notices, to look past a
+/// known difference of that kind for others.
+fn normalise(mut m: Msg) -> Msg {
+    static LOOSE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if m.tag == b'K' {
+        m.body.iter_mut().for_each(|b| *b = 0);
+    }
+    let loose =
+        *LOOSE.get_or_init(|| std::env::var("PGFENCE_RANDOM_LOOSE_ERRORS").is_ok_and(|v| v == "1"));
+    if loose && matches!(m.tag, b'E' | b'N') {
+        let mut body = Vec::new();
+        for (code, value) in m.fields() {
+            if !matches!(code, b'F' | b'L' | b'R') {
+                body.push(code);
+                body.extend_from_slice(value.as_bytes());
+                body.push(0);
+            }
+        }
+        body.push(0);
+        m.body = body;
+    }
+    m
+}
+
+fn show(r: &Replies) -> String {
+    let mut s: String = r.msgs.iter().map(|m| format!("    {m:?}\n")).collect();
+    if let Some(t) = &r.trouble {
+        s.push_str(&format!("    !! {t}\n"));
+    }
+    s
+}
+
+/// Which messages to leave out (`PGFENCE_RANDOM_DROP`).
+#[derive(Default)]
+struct Omit {
+    steps: BTreeSet<usize>,
+    messages: BTreeSet<(usize, usize)>,
+}
+
+impl Omit {
+    fn from_env() -> Omit {
+        let mut d = Omit::default();
+        let Ok(spec) = std::env::var("PGFENCE_RANDOM_DROP") else {
+            return d;
+        };
+        for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let bad = || panic!("PGFENCE_RANDOM_DROP: bad item {item:?} (want 5 or 5.2)");
+            match item.split_once('.') {
+                Some((s, m)) => {
+                    d.messages.insert((
+                        s.parse().unwrap_or_else(|_| bad()),
+                        m.parse().unwrap_or_else(|_| bad()),
+                    ));
+                }
+                None => {
+                    d.steps.insert(item.parse().unwrap_or_else(|_| bad()));
+                }
+            }
+        }
+        d
+    }
+
+    /// The session's steps as sent: (number as generated, messages).
+    fn apply(&self, steps: &[Vec<Out>]) -> Vec<(usize, Vec<Out>)> {
+        steps
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !self.steps.contains(i))
+            .map(|(i, step)| {
+                let kept = step
+                    .iter()
+                    .enumerate()
+                    .filter(|(j, _)| !self.messages.contains(&(i, *j)))
+                    .map(|(_, m)| m.clone())
+                    .collect();
+                (i, kept)
+            })
+            .filter(|(_, step): &(usize, Vec<Out>)| !step.is_empty())
+            .collect()
+    }
+}
+
+fn show_steps(steps: &[(usize, Vec<Out>)], upto: usize) -> String {
+    let mut s = String::new();
+    for (i, step) in steps.iter().take(upto + 1) {
+        s.push_str(&format!("  step {i}:\n"));
+        for (j, m) in step.iter().enumerate() {
+            s.push_str(&format!("    {i}.{j} {m}\n"));
+        }
+    }
+    s
+}
+
+struct Targets {
+    direct: SocketAddr,
+    others: [(&'static str, SocketAddr); 2],
+}
+
+/// Ends a session cut short by a mismatch: Terminate, and wait (a little) for each side to
+/// close, so that what it had open is rolled back before the next session starts.
+fn end(direct: &mut RawConn, others: &mut [(&str, RawConn)]) {
+    let conns = std::iter::once(direct).chain(others.iter_mut().map(|(_, c)| c));
+    for c in conns {
+        if c.try_send(&wire::terminate()).is_ok() {
+            while let Ok(Read1::Msg(_)) = c.next(Duration::from_secs(2)) {}
+        }
+    }
+}
+
+/// Why a session failed.
+enum Failure {
+    /// PostgreSQL itself did not answer as the generator expected: a flaw of the generator.
+    Direct(String),
+    /// pgfence's replies differ from PostgreSQL's.
+    Mismatch(String),
+}
+
+/// Runs one session on the three sides in lockstep; `Err` describes the first mismatch.
+fn run_session(
+    targets: &Targets,
+    seed: u64,
+    number: usize,
+    session: &Session,
+    drop: &Omit,
+) -> Result<(), Failure> {
+    let steps = drop.apply(&session.steps);
+    let fail = |step: usize, label: &str, mode: &str, want: &Replies, have: &Replies| {
+        let at = steps.iter().position(|(i, _)| *i == step).unwrap_or(0);
+        format!(
+            "seed {seed}, session {number}, step {label}, {mode}: replies differ\n\
+             reproduce: PGFENCE_RANDOM_SEED={seed} PGFENCE_RANDOM_SESSION={number} \
+             cargo test -p pgfence-tests --test protocol_random\n\
+             {}\nsent (steps of this session so far, each step one write):\n{}\
+             --- PostgreSQL ---\n{}--- through pgfence, {mode} ---\n{}",
+            session.describe_startup(),
+            show_steps(&steps, at),
+            show(want),
+            show(have)
+        )
+    };
+    let startup = session.startup();
+    let mut direct = RawConn::connect(targets.direct);
+    let mut others: Vec<(&str, RawConn)> = targets
+        .others
+        .iter()
+        .map(|&(mode, addr)| (mode, RawConn::connect(addr)))
+        .collect();
+    direct.send(&startup);
+    for (_, c) in &mut others {
+        c.send(&startup);
+    }
+    let want = read(&mut direct, Expect::Ready(1));
+    if let Some(t) = &want.trouble {
+        panic!("seed {seed}, session {number}: login directly: {t}");
+    }
+    // Every side's replies are read before comparing, so that after a mismatch nothing
+    // of the step is still running on any server when the next session starts.
+    let got: Vec<Replies> = others
+        .iter_mut()
+        .map(|(_, c)| read(c, Expect::Ready(1)))
+        .collect();
+    for ((mode, _), have) in others.iter().zip(&got) {
+        if *have != want {
+            let report = fail(0, "login", mode, &want, have);
+            end(&mut direct, &mut others);
+            return Err(Failure::Mismatch(report));
+        }
+    }
+    let mut batch_failed = false;
+    for (i, step) in &steps {
+        let bytes: Vec<u8> = step.iter().flat_map(Out::bytes).collect();
+        let expect = expect(step, batch_failed);
+        direct.send(&bytes);
+        for (_, c) in &mut others {
+            // A side that closed early shows in its replies.
+            let _ = c.try_send(&bytes);
+        }
+        let want = read(&mut direct, expect);
+        if let Some(t) = &want.trouble {
+            return Err(Failure::Direct(format!(
+                "seed {seed}, session {number}, step {i}: PostgreSQL did not answer as the \
+                 generator expected ({expect:?}): {t}\n{}\nsent:\n{}received:\n{}",
+                session.describe_startup(),
+                show_steps(&steps, steps.iter().position(|(j, _)| j == i).unwrap_or(0)),
+                show(&want)
+            )));
+        }
+        for m in &want.msgs {
+            match m.tag {
+                b'E' => batch_failed = true,
+                b'Z' => batch_failed = false,
+                _ => {}
+            }
+        }
+        let got: Vec<Replies> = others.iter_mut().map(|(_, c)| read(c, expect)).collect();
+        for ((mode, _), have) in others.iter().zip(&got) {
+            if *have != want {
+                let report = fail(*i, &i.to_string(), mode, &want, have);
+                end(&mut direct, &mut others);
+                return Err(Failure::Mismatch(report));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn env_num(name: &str) -> Option<u64> {
+    std::env::var(name).ok().map(|v| {
+        v.trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("{name}={v:?}: not a number"))
+    })
+}
+
+fn start_cluster() -> PgCluster {
+    let cluster = PgCluster::builder()
+        .setting("track_functions", "'all'")
+        .start();
+    cluster.psql(APP_DB, &fence_core::sql::install_sql(None));
+    cluster.psql(APP_DB, "CREATE TABLE r (id int PRIMARY KEY, v int)");
+    cluster
+}
+
+#[test]
+fn random_sessions_same_replies_direct_and_through_pgfence() {
+    let seeds: Vec<u64> = match (
+        env_num("PGFENCE_RANDOM_SEED"),
+        env_num("PGFENCE_RANDOM_SEEDS"),
+    ) {
+        (Some(seed), _) => vec![seed],
+        (None, Some(count)) => {
+            let first = env_num("PGFENCE_RANDOM_FIRST_SEED").unwrap_or(1);
+            (first..first + count).collect()
+        }
+        (None, None) => (1..=6).collect(),
+    };
+    let sessions = env_num("PGFENCE_RANDOM_SESSIONS").unwrap_or(5) as usize;
+    let steps = env_num("PGFENCE_RANDOM_STEPS").unwrap_or(25) as usize;
+    let only_session = env_num("PGFENCE_RANDOM_SESSION").map(|s| s as usize);
+    let keep_going = std::env::var("PGFENCE_RANDOM_KEEP_GOING").is_ok_and(|v| v == "1");
+    let drop = Omit::from_env();
+
+    let direct = start_cluster();
+    let fenced = start_cluster();
+    let plain = start_cluster();
+    let fenced_proxy = Proxy::for_cluster(&fenced);
+    let mut config = Proxy::config_for(&plain);
+    config.fence.enabled = false;
+    let plain_proxy = Proxy::start(config);
+    let targets = Targets {
+        direct: SocketAddr::from(([127, 0, 0, 1], direct.port())),
+        others: [
+            ("fence on", fenced_proxy.addr()),
+            ("fence off", plain_proxy.addr()),
+        ],
+    };
+
+    let started = Instant::now();
+    let mut failures = Vec::new();
+    let mut run = 0u64;
+    let mut steps_run = 0usize;
+    eprintln!(
+        "protocol_random: seeds {}{}, {sessions} sessions of {steps} steps per seed",
+        if seeds.len() > 8 {
+            format!("{}..={}", seeds[0], seeds[seeds.len() - 1])
+        } else {
+            format!("{seeds:?}")
+        },
+        only_session
+            .map(|s| format!(" (session {s} only)"))
+            .unwrap_or_default()
+    );
+    'seeds: for &seed in &seeds {
+        for number in 0..sessions {
+            if only_session.is_some_and(|s| s != number) {
+                continue;
+            }
+            // Tokens only increase over the clusters' life: the fence never rejects.
+            let token = 1000 + run;
+            run += 1;
+            let session = generate(seed, number, steps, token);
+            steps_run += session.steps.len();
+            let result = run_session(&targets, seed, number, &session, &drop);
+            if let Err(Failure::Direct(report)) = result {
+                let log = direct.server_log();
+                let tail: Vec<&str> = log.lines().rev().take(30).collect();
+                let tail: Vec<&str> = tail.into_iter().rev().collect();
+                panic!(
+                    "{report}\nthe direct server's log ends with:\n{}",
+                    tail.join("\n")
+                );
+            }
+            if let Err(Failure::Mismatch(report)) = result {
+                eprintln!("{report}");
+                failures.push(report);
+                if !keep_going {
+                    break 'seeds;
+                }
+            }
+        }
+    }
+    eprintln!(
+        "protocol_random: {run} sessions, {steps_run} steps in {:.1?}, {} mismatching",
+        started.elapsed(),
+        failures.len()
+    );
+    if !failures.is_empty() {
+        let firsts: Vec<String> = failures
+            .iter()
+            .map(|f| f.lines().next().unwrap_or_default().to_string())
+            .collect();
+        panic!(
+            "{} session(s) with different replies:\n{}\n\nfirst one in full:\n{}",
+            failures.len(),
+            firsts.join("\n"),
+            failures[0]
+        );
+    }
+    // The fence was really on: pgfence's check ran upstream (and pgfence hid it).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let calls: u64 = fenced
+            .psql(
+                APP_DB,
+                "SELECT coalesce(sum(calls), 0) FROM pg_stat_user_functions \
+                 WHERE schemaname = 'pgfence'",
+            )
+            .trim()
+            .parse()
+            .expect("a count");
+        if calls >= 1 {
+            eprintln!("pgfence.check ran {calls} times through the fenced proxy");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "pgfence.check ran {calls} times: was the fence on?"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
