@@ -1499,3 +1499,94 @@ async fn discard_all_runs_when_reads_are_checked() {
     }
     assert_eq!(fx.count("discarded").await, 2);
 }
+
+/// A COMMIT of a block that already failed, with more statements after it in the same Query
+/// or batch, sent before the failure was read: PostgreSQL answers the COMMIT with ROLLBACK
+/// and runs the rest. Through pgfence the check before the COMMIT meets the failed block
+/// and the server skips the rest: the client must get that error, never a ROLLBACK tag
+/// followed by nothing for statements that silently never ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statements_after_the_commit_of_a_failed_block_are_not_lost_silently() {
+    let fx = Fixture::start("CREATE TABLE afterfail (tag text);", |_| {}).await;
+    let mut conn = RawConn::connect(fx.proxy.addr());
+    conn.send(&wire::startup_version(
+        wire::PROTOCOL_3_0,
+        &[
+            ("user", SUPERUSER.as_bytes()),
+            ("database", APP_DB.as_bytes()),
+            (
+                "options",
+                b"-c fencing.token=3 -c fencing.resource=afterfail",
+            ),
+        ],
+    ));
+    conn.until_ready();
+    let pbe = |sql: &str| {
+        [
+            wire::parse("", sql, &[]),
+            wire::bind("", "", &[]),
+            wire::execute("", 0),
+        ]
+        .concat()
+    };
+    let cases = [
+        (
+            "simple",
+            [
+                wire::query("SELECT 1/0"),
+                wire::query("COMMIT; INSERT INTO afterfail VALUES ('simple')"),
+            ]
+            .concat(),
+        ),
+        (
+            "extended",
+            [
+                pbe("SELECT 1/0"),
+                wire::sync(),
+                pbe("COMMIT"),
+                pbe("INSERT INTO afterfail VALUES ('extended')"),
+                wire::sync(),
+            ]
+            .concat(),
+        ),
+    ];
+    for (name, batch) in cases {
+        conn.send(&wire::query(
+            "BEGIN; INSERT INTO afterfail VALUES ('in the block')",
+        ));
+        conn.until_ready();
+        conn.send(&batch);
+        let first = conn.until_ready();
+        assert_eq!(
+            first.last().and_then(|m| m.ready_status()),
+            Some(b'E'),
+            "{name}: {first:?}"
+        );
+        let second = conn.until_ready();
+        let tags: Vec<u8> = second.iter().map(|m| m.tag).collect();
+        let inserted = fx.count(&format!("afterfail WHERE tag = '{name}'")).await;
+        if inserted == 0 {
+            let error = second
+                .iter()
+                .find(|m| m.tag == b'E')
+                .unwrap_or_else(|| panic!("{name}: the INSERT never ran, silently: {second:?}"));
+            wire::assert_error(error, "ERROR", "25P02");
+        } else {
+            assert!(tags.contains(&b'C'), "{name}: {second:?}");
+        }
+        assert_eq!(
+            second.last().and_then(|m| m.ready_status()),
+            Some(b'I'),
+            "{name}: {second:?}"
+        );
+        conn.send(&wire::query("INSERT INTO afterfail VALUES ('usable')"));
+        let replies = conn.until_ready();
+        assert_eq!(
+            replies.last().and_then(|m| m.ready_status()),
+            Some(b'I'),
+            "{name}: {replies:?}"
+        );
+    }
+    assert_eq!(fx.count("afterfail WHERE tag = 'in the block'").await, 0);
+    assert_eq!(fx.count("afterfail WHERE tag = 'usable'").await, 2);
+}

@@ -269,11 +269,13 @@ impl Session {
         self.check_sent = Some(std::time::Instant::now());
         self.sent(Request::Query);
         msg::query(&mut self.to_server, &text);
+        let statements = analysis.statements.len() + checks.len();
         self.replies.push_query(QueryPlan {
             checks,
             done: 0,
             fast_reject: false,
             at_end: plan.at_end,
+            statements,
         });
         if !plan.before.is_empty() {
             // A check before an inner COMMIT: see `CommitCheck`.
@@ -321,6 +323,7 @@ impl Session {
             done: 0,
             fast_reject: true,
             at_end: false,
+            statements: 1,
         });
         Flow::Continue
     }

@@ -89,6 +89,8 @@ pub struct QueryPlan {
     /// The last check stands for the end of the implicit transaction (it follows the
     /// client's last statement).
     pub at_end: bool,
+    /// How many statements the query sent upstream has, pgfence's included.
+    pub statements: usize,
 }
 
 impl QueryPlan {
@@ -200,19 +202,15 @@ impl Replies {
     }
 
     /// After an error in the extended protocol the server skips every message up to the
-    /// next Sync: drops their entries and returns the ones whose effect pgfence assumed
-    /// when sending them (a Parse or Bind, of the client or of pgfence): none of them
-    /// happened.
+    /// next Sync: drops their entries and returns them (none of them happened).
     pub fn skip_to_sync(&mut self) -> Vec<Pending> {
         let mut skipped = Vec::new();
-        while let Some(p) = self.queue.front() {
-            if p.request.is_sync_point() {
-                break;
-            }
-            let p = self.queue.pop_front().expect("front exists");
-            if matches!(p.request, Request::Parse | Request::Bind | Request::Close) {
-                skipped.push(p);
-            }
+        while self
+            .queue
+            .front()
+            .is_some_and(|p| !p.request.is_sync_point())
+        {
+            skipped.extend(self.queue.pop_front());
         }
         skipped
     }

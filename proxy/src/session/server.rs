@@ -190,6 +190,10 @@ impl Session {
             return;
         };
         let (request, origin, fast) = (front.request, front.origin, front.plan.fast_reject);
+        // A check before a COMMIT (the client's next statement) that fails skips the rest
+        // of the Query too: does the client have statements after that COMMIT?
+        let mut skips_client_work =
+            request == Request::Query && front.plan.statements > front.plan.done + 2;
         let from_check = match request {
             Request::Query => front.plan.in_check(),
             _ => matches!(
@@ -209,8 +213,15 @@ impl Session {
             if let Some(failed) = self.replies.pop() {
                 self.refused(&failed);
             }
-            for skipped in self.replies.skip_to_sync() {
-                self.refused(&skipped);
+            let skipped = self.replies.skip_to_sync();
+            // The client's COMMIT is the first of its messages skipped after a check.
+            skips_client_work = skipped
+                .iter()
+                .filter(|p| p.origin == Origin::Client)
+                .count()
+                > 1;
+            for skipped in &skipped {
+                self.refused(skipped);
             }
             if from_check && matches!(self.commit_check, CommitCheck::Pending { .. }) {
                 self.sync_after_skipped_commit();
@@ -218,7 +229,7 @@ impl Session {
         }
         if from_check {
             self.observe_check_latency();
-            if fields.code == IN_FAILED_TRANSACTION {
+            if fields.code == IN_FAILED_TRANSACTION && !skips_client_work {
                 // The transaction had failed before: its COMMIT rolls back as usual.
                 self.release_held_complete();
                 if let CommitCheck::Sent { found_failed } | CommitCheck::Pending { found_failed } =
@@ -228,6 +239,11 @@ impl Session {
                 }
                 return;
             }
+            // A rejection, or a failed transaction whose COMMIT had more statements after it
+            // in the same Query or batch: PostgreSQL would have rolled back at the COMMIT
+            // and run them, but the server skipped them after the check's error, so the
+            // client gets that error (current transaction is aborted) rather than a COMMIT
+            // that looks like it rolled back and statements that silently never ran.
             self.check_failed = true;
             // The implicit transaction failed at its end: no command tag for its last
             // statement, as from PostgreSQL.
