@@ -1590,3 +1590,25 @@ async fn statements_after_the_commit_of_a_failed_block_are_not_lost_silently() {
     assert_eq!(fx.count("afterfail WHERE tag = 'in the block'").await, 0);
     assert_eq!(fx.count("afterfail WHERE tag = 'usable'").await, 2);
 }
+
+/// An empty query pipelined after a write whose block pgfence cannot yet tell open or not
+/// is answered with EmptyQueryResponse, as from PostgreSQL (a check added to it took it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_query_stays_empty() {
+    let fx = Fixture::start("CREATE TABLE empty_q (tag text);", |_| {}).await;
+    let (mut conn, _) = RawConn::login(fx.proxy.addr(), SUPERUSER, APP_DB);
+    conn.send(
+        &[
+            wire::query("BEGIN; INSERT INTO empty_q VALUES ('x')"),
+            wire::query(""),
+        ]
+        .concat(),
+    );
+    conn.until_ready();
+    let replies = conn.until_ready();
+    let tags: Vec<u8> = replies.iter().map(|m| m.tag).collect();
+    assert_eq!(tags, b"IZ", "{replies:?}");
+    conn.send(&wire::query("COMMIT"));
+    conn.until_ready();
+    assert_eq!(fx.count("empty_q").await, 1);
+}

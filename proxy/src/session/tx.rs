@@ -132,6 +132,11 @@ impl TxState {
     /// Plans the checks of a simple Query and updates the state as if it was sent.
     pub fn plan_simple(&mut self, analysis: &Analysis) -> SimplePlan {
         let mut plan = SimplePlan::default();
+        if analysis.statements.is_empty() {
+            // An empty query ends no transaction (a dirty one is a block still open, checked
+            // at its COMMIT), and a check added to it would take its EmptyQueryResponse.
+            return plan;
+        }
         // `None`: not known whether a block is open.
         let mut in_block = match self.view {
             View::Idle => Some(false),
