@@ -109,7 +109,7 @@ pub struct Pending {
     /// For `Query`: the plan. Boxed elsewhere would cost an allocation per query; the
     /// empty plan allocates nothing.
     pub plan: QueryPlan,
-    /// For a client's Parse or Bind: the statement or portal it names (empty: the unnamed
+    /// For a client's Parse or Bind: the statement or portal it names (`None`: the unnamed
     /// one), whose analysis pgfence must forget if the server refuses or skips the request.
     pub name: Option<Box<[u8]>>,
 }
@@ -138,7 +138,8 @@ impl Replies {
             request,
             origin: Origin::Client,
             plan: QueryPlan::default(),
-            name: Some(name.into()),
+            // The unnamed statement and portal, most drivers' every query: no allocation.
+            name: (!name.is_empty()).then(|| name.into()),
         });
     }
 

@@ -275,16 +275,16 @@ impl Session {
     ///   does not know counts as one that may write.
     fn refused(&mut self, request: &Pending) {
         self.fence.not_prepared(request.origin);
-        let Some(name) = &request.name else {
+        if request.origin != Origin::Client {
             return;
-        };
-        match (request.request, name.is_empty()) {
-            (Request::Parse, true) => self.unnamed_statement = None,
-            (Request::Parse, false) => {
+        }
+        match (request.request, &request.name) {
+            (Request::Parse, None) => self.unnamed_statement = None,
+            (Request::Parse, Some(name)) => {
                 self.statements.remove(name);
             }
-            (Request::Bind, true) => self.unnamed_portal = None,
-            (Request::Bind, false) => {
+            (Request::Bind, None) => self.unnamed_portal = None,
+            (Request::Bind, Some(name)) => {
                 self.portals.remove(name);
             }
             _ => {}
