@@ -458,6 +458,13 @@ fn sessions(abs_oid: u32) -> Vec<Session> {
                     ]),
                     Ready(4),
                 ),
+                step(
+                    "latin1 error position after an inner COMMIT",
+                    wire::query(
+                        b"BEGIN; INSERT INTO l VALUES ('\xe9\xe9'); COMMIT; SELEC 1".as_slice(),
+                    ),
+                    Ready(1),
+                ),
                 step("terminate", wire::terminate(), Closed),
             ],
         },
@@ -544,6 +551,13 @@ fn first_write_fails(name: &'static str, table: &str, options: &'static [u8]) ->
             step(
                 "block after",
                 cat(&[pbe("BEGIN", &[]), insert(b"3"), pbe("COMMIT", &[]), s()]),
+                Ready(1),
+            ),
+            step(
+                "error position after an inner COMMIT",
+                q(&format!(
+                    "BEGIN; SELECT 'é€' AS x; INSERT INTO {table} VALUES (7); COMMIT; SELEC 1"
+                )),
                 Ready(1),
             ),
             step(

@@ -212,6 +212,32 @@ pub fn without_location(frame: &[u8], out: &mut BytesMut) {
     });
 }
 
+/// Copies an ErrorResponse or NoticeResponse with its position field (`P`, a character
+/// index into the query string) mapped by `map`; other fields unchanged.
+pub fn with_position(frame: &[u8], map: impl Fn(u64) -> u64, out: &mut BytesMut) {
+    write_message(out, frame[0], |o| {
+        let mut rest = body(frame);
+        while let Some((&kind, after)) = rest.split_first() {
+            if kind == 0 {
+                break;
+            }
+            let Some((value, next)) = cstr(after) else {
+                break;
+            };
+            o.put_u8(kind);
+            let position = (kind == b'P')
+                .then(|| std::str::from_utf8(value).ok()?.parse::<u64>().ok())
+                .flatten();
+            match position {
+                Some(p) => put_cstr(o, map(p).to_string().as_bytes()),
+                None => put_cstr(o, value),
+            }
+            rest = next;
+        }
+        o.put_u8(0);
+    });
+}
+
 /// The first column of a DataRow as bytes, `None` when it is NULL or the row is malformed.
 pub fn first_column(frame: &[u8]) -> Option<&[u8]> {
     let b = body(frame);

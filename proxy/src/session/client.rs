@@ -251,12 +251,25 @@ impl Session {
         let mut text = Vec::with_capacity(sql.len() + 256);
         let mut checks = Vec::with_capacity(plan.before.len() + 1);
         let mut copied = 0;
+        let mut inserted = Vec::new();
+        let mut chars_before = 0;
         for (n, &(offset, index)) in plan.before.iter().enumerate() {
             text.extend_from_slice(&sql[copied..offset]);
+            let at = text.len();
             self.check_literal(&mut text);
             text.extend_from_slice(b";\n");
+            if let Some(counted) = self.char_count(&sql[copied..offset]) {
+                // The check's text is ASCII: one character per byte.
+                chars_before += counted;
+                let added = (text.len() - at) as u64;
+                inserted.push((chars_before, added));
+                chars_before += added;
+            }
             copied = offset;
             checks.push(index + n);
+        }
+        if inserted.len() != plan.before.len() {
+            inserted.clear();
         }
         text.extend_from_slice(&sql[copied..]);
         if plan.at_end {
@@ -276,6 +289,7 @@ impl Session {
             fast_reject: false,
             at_end: plan.at_end,
             statements,
+            inserted,
         });
         if !plan.before.is_empty() {
             // A check before an inner COMMIT: see `CommitCheck`.
@@ -324,6 +338,7 @@ impl Session {
             fast_reject: true,
             at_end: false,
             statements: 1,
+            inserted: Vec::new(),
         });
         Flow::Continue
     }

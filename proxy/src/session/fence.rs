@@ -33,6 +33,34 @@ const UNSAFE_ENCODINGS: &[&str] = &[
     "JOHAB",
 ];
 
+/// How to count the characters of the client's text: error positions are character
+/// indexes, and pgfence maps them past the checks it inserts into a query.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Chars {
+    /// Not known, or a multi-byte encoding other than UTF-8: positions are left as they are.
+    #[default]
+    Unknown,
+    /// A single-byte encoding.
+    Bytes,
+    Utf8,
+}
+
+impl Chars {
+    fn of(encoding: &str) -> Chars {
+        match encoding {
+            "UTF8" => Chars::Utf8,
+            "SQL_ASCII" => Chars::Bytes,
+            e if ["LATIN", "ISO_8859_", "WIN", "KOI8"]
+                .iter()
+                .any(|p| e.starts_with(p)) =>
+            {
+                Chars::Bytes
+            }
+            _ => Chars::Unknown,
+        }
+    }
+}
+
 /// pgfence's own prepared statement and portal names on the upstream connection.
 pub const CHECK_NAME: &[u8] = b"pgfence_check";
 pub const GUARDED_CHECK_NAME: &[u8] = b"pgfence_check_guarded";
@@ -326,6 +354,16 @@ impl Session {
             .push(Request::Sync, Origin::Injected(Injected::CheckSync(after)));
     }
 
+    /// How many characters `text` of the client's has, when pgfence can tell.
+    pub(super) fn char_count(&self, text: &[u8]) -> Option<u64> {
+        match self.chars {
+            Chars::Unknown => None,
+            Chars::Bytes => Some(text.len() as u64),
+            // Every byte but UTF-8's continuation bytes starts a character.
+            Chars::Utf8 => Some(text.iter().filter(|&&b| b & 0xC0 != 0x80).count() as u64),
+        }
+    }
+
     /// Appends the check as SQL text, for a rewritten simple Query.
     pub(super) fn check_literal(&self, out: &mut Vec<u8>) {
         sql::check_call_literal(&self.check_args(false), out);
@@ -445,6 +483,7 @@ impl Session {
                 if UNSAFE_ENCODINGS.contains(&name.as_str()) {
                     return Err(SessionError::UnsupportedEncoding(name));
                 }
+                self.chars = Chars::of(&name);
             }
             _ => {}
         }

@@ -521,6 +521,8 @@ pub(crate) struct Session {
     check_failed: bool,
     /// How to lex SQL text (follows `standard_conforming_strings`).
     lex: fence_core::lexer::LexOptions,
+    /// How to count the characters of the client's text (follows `client_encoding`).
+    chars: fence::Chars,
     /// The latest statement text the client sent, for rejection logs.
     last_sql: Option<Remembered>,
     /// The latest statement that may write: what a rejection at COMMIT is about.
@@ -609,6 +611,7 @@ impl Session {
             commit_check: CommitCheck::None,
             held_complete: None,
             lex: fence_core::lexer::LexOptions::default(),
+            chars: fence::Chars::default(),
             sync_sent: std::collections::VecDeque::new(),
             check_sent: None,
             server_fatal: None,

@@ -91,6 +91,9 @@ pub struct QueryPlan {
     pub at_end: bool,
     /// How many statements the query sent upstream has, pgfence's included.
     pub statements: usize,
+    /// Where pgfence inserted text into the client's query: (character index in the text
+    /// sent, characters inserted), ascending; error positions after them are moved back.
+    pub inserted: Vec<(u64, u64)>,
 }
 
 impl QueryPlan {

@@ -194,6 +194,10 @@ impl Session {
         // of the Query too: does the client have statements after that COMMIT?
         let mut skips_client_work =
             request == Request::Query && front.plan.statements > front.plan.done + 2;
+        // An error of the client's own statement in a Query pgfence inserted checks into:
+        // its position is in the text sent, not in the client's.
+        let inserted = (request == Request::Query && !front.plan.inserted.is_empty())
+            .then(|| front.plan.inserted.clone());
         let from_check = match request {
             Request::Query => front.plan.in_check(),
             _ => matches!(
@@ -261,7 +265,20 @@ impl Session {
             msg::without_location(frame, &mut self.to_client);
             return;
         }
-        self.to_client.extend_from_slice(frame);
+        match inserted {
+            Some(inserted) if !from_check => {
+                let map = |mut p: u64| {
+                    for &(at, added) in inserted.iter().rev() {
+                        if p > at {
+                            p = p.saturating_sub(added);
+                        }
+                    }
+                    p
+                };
+                msg::with_position(frame, map, &mut self.to_client);
+            }
+            _ => self.to_client.extend_from_slice(frame),
+        }
     }
 
     /// The server refused `request` (its error) or skipped it (after an error earlier in
