@@ -193,28 +193,32 @@ pub fn error_fields(frame: &[u8]) -> ErrorFields<'_> {
 /// Copies an ErrorResponse or NoticeResponse without its location fields: context (`W`),
 /// source file (`F`), line (`L`) and routine (`R`).
 pub fn without_location(frame: &[u8], out: &mut BytesMut) {
-    write_message(out, frame[0], |o| {
-        let mut rest = body(frame);
-        while let Some((&kind, after)) = rest.split_first() {
-            if kind == 0 {
-                break;
-            }
-            let Some((value, next)) = cstr(after) else {
-                break;
-            };
-            if !matches!(kind, b'W' | b'F' | b'L' | b'R') {
-                o.put_u8(kind);
-                put_cstr(o, value);
-            }
-            rest = next;
+    copy_fields(frame, out, |o, kind, value| {
+        if !matches!(kind, b'W' | b'F' | b'L' | b'R') {
+            o.put_u8(kind);
+            put_cstr(o, value);
         }
-        o.put_u8(0);
     });
 }
 
 /// Copies an ErrorResponse or NoticeResponse with its position field (`P`, a character
 /// index into the query string) mapped by `map`; other fields unchanged.
 pub fn with_position(frame: &[u8], map: impl Fn(u64) -> u64, out: &mut BytesMut) {
+    copy_fields(frame, out, |o, kind, value| {
+        o.put_u8(kind);
+        let position = (kind == b'P')
+            .then(|| std::str::from_utf8(value).ok()?.parse::<u64>().ok())
+            .flatten();
+        match position {
+            Some(p) => put_cstr(o, map(p).to_string().as_bytes()),
+            None => put_cstr(o, value),
+        }
+    });
+}
+
+/// Copies an ErrorResponse or NoticeResponse field by field: `field` writes each field
+/// (its code and value) as it should appear, or not at all.
+fn copy_fields(frame: &[u8], out: &mut BytesMut, mut field: impl FnMut(&mut BytesMut, u8, &[u8])) {
     write_message(out, frame[0], |o| {
         let mut rest = body(frame);
         while let Some((&kind, after)) = rest.split_first() {
@@ -224,14 +228,7 @@ pub fn with_position(frame: &[u8], map: impl Fn(u64) -> u64, out: &mut BytesMut)
             let Some((value, next)) = cstr(after) else {
                 break;
             };
-            o.put_u8(kind);
-            let position = (kind == b'P')
-                .then(|| std::str::from_utf8(value).ok()?.parse::<u64>().ok())
-                .flatten();
-            match position {
-                Some(p) => put_cstr(o, map(p).to_string().as_bytes()),
-                None => put_cstr(o, value),
-            }
+            field(o, kind, value);
             rest = next;
         }
         o.put_u8(0);
