@@ -77,6 +77,22 @@ impl Fixture {
         Session { client, notices }
     }
 
+    /// A raw-protocol session through the proxy as `postgres` with startup `options`,
+    /// logged in (its first ReadyForQuery read).
+    fn raw_session(&self, options: &str) -> RawConn {
+        let mut conn = RawConn::connect(self.proxy.addr());
+        conn.send(&wire::startup_version(
+            wire::PROTOCOL_3_0,
+            &[
+                ("user", SUPERUSER.as_bytes()),
+                ("database", APP_DB.as_bytes()),
+                ("options", options.as_bytes()),
+            ],
+        ));
+        conn.until_ready();
+        conn
+    }
+
     /// A session as `postgres` with `fencing.token` and `fencing.resource` from startup.
     async fn leader(&self, resource: &str, token: i64) -> Session {
         self.session(
@@ -1263,16 +1279,7 @@ async fn a_fast_rejection_in_a_block_shows_only_the_error() {
         .await
         .unwrap();
     let options = format!("-c fencing.token=4 -c fencing.resource={r}");
-    let mut stale = RawConn::connect(fx.proxy.addr());
-    stale.send(&wire::startup_version(
-        wire::PROTOCOL_3_0,
-        &[
-            ("user", SUPERUSER.as_bytes()),
-            ("database", APP_DB.as_bytes()),
-            ("options", options.as_bytes()),
-        ],
-    ));
-    stale.until_ready();
+    let mut stale = fx.raw_session(&options);
     for (n, statement) in [
         "INSERT INTO fastblock VALUES ('stale 4')",
         "COPY fastblock FROM STDIN",
@@ -1312,16 +1319,7 @@ async fn a_refused_or_skipped_parse_does_not_change_what_pgfence_thinks_a_name_r
             .await
             .unwrap();
         let options = format!("-c fencing.token=33 -c fencing.resource={r}");
-        let mut stale = RawConn::connect(fx.proxy.addr());
-        stale.send(&wire::startup_version(
-            wire::PROTOCOL_3_0,
-            &[
-                ("user", SUPERUSER.as_bytes()),
-                ("database", APP_DB.as_bytes()),
-                ("options", options.as_bytes()),
-            ],
-        ));
-        stale.until_ready();
+        let mut stale = fx.raw_session(&options);
         let insert = "INSERT INTO renamed VALUES ('stale 33')";
         let run = |name: &str| {
             [
@@ -1508,19 +1506,7 @@ async fn discard_all_runs_when_reads_are_checked() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn statements_after_the_commit_of_a_failed_block_are_not_lost_silently() {
     let fx = Fixture::start("CREATE TABLE afterfail (tag text);", |_| {}).await;
-    let mut conn = RawConn::connect(fx.proxy.addr());
-    conn.send(&wire::startup_version(
-        wire::PROTOCOL_3_0,
-        &[
-            ("user", SUPERUSER.as_bytes()),
-            ("database", APP_DB.as_bytes()),
-            (
-                "options",
-                b"-c fencing.token=3 -c fencing.resource=afterfail",
-            ),
-        ],
-    ));
-    conn.until_ready();
+    let mut conn = fx.raw_session("-c fencing.token=3 -c fencing.resource=afterfail");
     let pbe = |sql: &str| {
         [
             wire::parse("", sql, &[]),
