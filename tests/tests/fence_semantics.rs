@@ -1500,11 +1500,14 @@ async fn discard_all_runs_when_reads_are_checked() {
 
 /// A COMMIT of a block that already failed, with more statements after it in the same Query
 /// or batch, sent before the failure was read: PostgreSQL answers the COMMIT with ROLLBACK
-/// and runs the rest. Through pgfence the check before the COMMIT meets the failed block
-/// and the server skips the rest: the client must get that error, never a ROLLBACK tag
-/// followed by nothing for statements that silently never ran.
+/// and runs the rest. pgfence waits for the replies in flight before it places its check,
+/// so it knows the block failed and adds none: the same happens through it. A batch whose
+/// first messages are already upstream cannot wait (the server answers it only at its
+/// Sync): there the check before the COMMIT meets the failed block and the server skips the
+/// rest, and the client must get that error, never a ROLLBACK tag followed by nothing for
+/// statements that silently never ran.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn statements_after_the_commit_of_a_failed_block_are_not_lost_silently() {
+async fn statements_after_the_commit_of_a_failed_block_run_as_on_postgresql() {
     let fx = Fixture::start("CREATE TABLE afterfail (tag text);", |_| {}).await;
     let mut conn = fx.raw_session("-c fencing.token=3 -c fencing.resource=afterfail");
     let pbe = |sql: &str| {
@@ -1515,6 +1518,7 @@ async fn statements_after_the_commit_of_a_failed_block_are_not_lost_silently() {
         ]
         .concat()
     };
+    // (name, what follows the failed block, whether the INSERT after the COMMIT runs)
     let cases = [
         (
             "simple",
@@ -1523,6 +1527,7 @@ async fn statements_after_the_commit_of_a_failed_block_are_not_lost_silently() {
                 wire::query("COMMIT; INSERT INTO afterfail VALUES ('simple')"),
             ]
             .concat(),
+            true,
         ),
         (
             "extended",
@@ -1534,14 +1539,47 @@ async fn statements_after_the_commit_of_a_failed_block_are_not_lost_silently() {
                 wire::sync(),
             ]
             .concat(),
+            true,
+        ),
+        (
+            "prepared COMMIT, chained",
+            [
+                wire::parse("c", "COMMIT AND CHAIN", &[]),
+                wire::sync(),
+                pbe("SELECT 1/0"),
+                wire::sync(),
+                wire::bind("", "c", &[]),
+                wire::execute("", 0),
+                pbe("INSERT INTO afterfail VALUES ('prepared COMMIT, chained')"),
+                wire::sync(),
+                wire::query("COMMIT"),
+            ]
+            .concat(),
+            true,
+        ),
+        (
+            "half sent",
+            [
+                pbe("SELECT 1/0"),
+                wire::sync(),
+                wire::close(b'S', "nothing"),
+                pbe("COMMIT"),
+                pbe("INSERT INTO afterfail VALUES ('half sent')"),
+                wire::sync(),
+            ]
+            .concat(),
+            false,
         ),
     ];
-    for (name, batch) in cases {
+    for (name, batch, runs_rest) in cases {
         conn.send(&wire::query(
             "BEGIN; INSERT INTO afterfail VALUES ('in the block')",
         ));
         conn.until_ready();
         conn.send(&batch);
+        if name.starts_with("prepared") {
+            conn.until_ready();
+        }
         let first = conn.until_ready();
         assert_eq!(
             first.last().and_then(|m| m.ready_status()),
@@ -1549,22 +1587,45 @@ async fn statements_after_the_commit_of_a_failed_block_are_not_lost_silently() {
             "{name}: {first:?}"
         );
         let second = conn.until_ready();
-        let tags: Vec<u8> = second.iter().map(|m| m.tag).collect();
         let inserted = fx.count(&format!("afterfail WHERE tag = '{name}'")).await;
-        if inserted == 0 {
+        if runs_rest {
+            // As from PostgreSQL: the COMMIT reports ROLLBACK, then the INSERT runs.
+            let tags: Vec<u8> = second.iter().map(|m| m.tag).collect();
+            let expected: &[u8] = match name {
+                "simple" => b"CCZ",
+                "extended" => b"12C12CZ",
+                _ => b"2C12CZ",
+            };
+            assert_eq!(tags, expected, "{name}: {second:?}");
+            let rollback = second.iter().find(|m| m.tag == b'C');
+            assert_eq!(
+                rollback.map(|m| m.body.as_slice()),
+                Some(&b"ROLLBACK\0"[..]),
+                "{name}: {second:?}"
+            );
+            if name.starts_with("prepared") {
+                // AND CHAIN opened the next block, which the INSERT ran in.
+                assert_eq!(second.last().and_then(|m| m.ready_status()), Some(b'T'));
+                let committed = conn.until_ready();
+                assert_eq!(committed.last().and_then(|m| m.ready_status()), Some(b'I'));
+            }
+            assert_eq!(
+                inserted, 1,
+                "{name}: the INSERT after the COMMIT did not run"
+            );
+        } else {
             let error = second
                 .iter()
                 .find(|m| m.tag == b'E')
                 .unwrap_or_else(|| panic!("{name}: the INSERT never ran, silently: {second:?}"));
             wire::assert_error(error, "ERROR", "25P02");
-        } else {
-            assert!(tags.contains(&b'C'), "{name}: {second:?}");
+            assert_eq!(inserted, 0, "{name}: {second:?}");
+            assert_eq!(
+                second.last().and_then(|m| m.ready_status()),
+                Some(b'I'),
+                "{name}: {second:?}"
+            );
         }
-        assert_eq!(
-            second.last().and_then(|m| m.ready_status()),
-            Some(b'I'),
-            "{name}: {second:?}"
-        );
         conn.send(&wire::query("INSERT INTO afterfail VALUES ('usable')"));
         let replies = conn.until_ready();
         assert_eq!(
@@ -1574,7 +1635,7 @@ async fn statements_after_the_commit_of_a_failed_block_are_not_lost_silently() {
         );
     }
     assert_eq!(fx.count("afterfail WHERE tag = 'in the block'").await, 0);
-    assert_eq!(fx.count("afterfail WHERE tag = 'usable'").await, 2);
+    assert_eq!(fx.count("afterfail WHERE tag = 'usable'").await, 4);
 }
 
 /// An empty query pipelined after a write whose block pgfence cannot yet tell open or not

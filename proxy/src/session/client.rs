@@ -66,7 +66,7 @@ impl Session {
         }
         match kind {
             Frontend::Query => return self.on_query(frame),
-            Frontend::Parse => self.on_parse(frame)?,
+            Frontend::Parse => return self.on_parse(frame),
             Frontend::Bind => return self.on_bind(frame),
             Frontend::Execute => return self.on_execute(frame),
             Frontend::Describe => self.forward(frame, Request::Describe),
@@ -152,6 +152,22 @@ impl Session {
         }
     }
 
+    /// Whether a request running `analysis` waits for the replies in flight before pgfence
+    /// plans its check, because where the check goes depends on them (see
+    /// [`super::tx::TxState::placement_depends_on_replies`]): a pipelined COMMIT of a block
+    /// an earlier request may have failed, or `ROLLBACK TO SAVEPOINT` behind a `BEGIN` or
+    /// `COMMIT` still in flight. Only a request that starts a batch waits: the server
+    /// answers a batch only at its Sync, so pgfence cannot wait in the middle of one, and
+    /// its prediction stands there (see [`CommitCheck`]).
+    fn waits_for_replies(&self, analysis: &Analysis) -> bool {
+        self.fence.enabled
+            && analysis
+                .statements
+                .iter()
+                .any(|s| self.tx.placement_depends_on_replies(s.kind))
+            && self.replies.ends_at_sync_point()
+    }
+
     /// Whether a statement that cannot run in a transaction block is checked on its own
     /// first: only when nothing is open or in flight, else it runs (and fails, or runs as
     /// part of the transaction) like any other statement and the commit check covers it.
@@ -212,6 +228,10 @@ impl Session {
                 }
                 None => {}
             }
+        }
+        if self.waits_for_replies(analysis) {
+            self.hold = Hold::Waiting;
+            return Ok(Flow::Hold);
         }
         if self.fence.fast_path && analysis.may_write() {
             if let Some((resource, token, fence)) =
@@ -375,25 +395,34 @@ impl Session {
         Flow::Continue
     }
 
-    fn on_parse(&mut self, frame: &[u8]) -> Result<(), SessionError> {
+    fn on_parse(&mut self, frame: &[u8]) -> Result<Flow, SessionError> {
         let (name, sql) =
             msg::parse_message(frame).ok_or(SessionError::MalformedClientMessage("Parse"))?;
-        if name.is_empty() {
-            // Drivers that use the unnamed statement (pgbench -M extended, JDBC, psycopg)
-            // parse the same text again and again: keep its analysis.
-            let same = self
+        // Drivers that use the unnamed statement (pgbench -M extended, JDBC, psycopg) parse
+        // the same text again and again: keep its analysis.
+        let same = name.is_empty()
+            && self
                 .unnamed_statement
                 .as_ref()
                 .is_some_and(|p| *p.sql == *sql);
-            if !same {
-                self.unnamed_statement = Some(self.prepared(sql));
+        let prepared = if same { None } else { Some(self.prepared(sql)) };
+        let waits = match prepared.as_ref().or(self.unnamed_statement.as_ref()) {
+            Some(p) => self.waits_for_replies(&p.analysis),
+            None => false,
+        };
+        if waits {
+            self.hold = Hold::Waiting;
+            return Ok(Flow::Hold);
+        }
+        match prepared {
+            Some(p) if name.is_empty() => self.unnamed_statement = Some(p),
+            Some(p) => {
+                self.statements.insert(name.into(), p);
             }
-        } else {
-            let prepared = self.prepared(sql);
-            self.statements.insert(name.into(), prepared);
+            None => {}
         }
         self.forward_named(frame, Request::Parse, name);
-        Ok(())
+        Ok(Flow::Continue)
     }
 
     fn statement(&self, name: &[u8]) -> Option<Arc<Prepared>> {
@@ -437,6 +466,13 @@ impl Session {
                 None => {}
             }
         }
+        if prepared
+            .as_ref()
+            .is_some_and(|p| self.waits_for_replies(&p.analysis))
+        {
+            self.hold = Hold::Waiting;
+            return Ok(Flow::Hold);
+        }
         if portal.is_empty() {
             self.unnamed_portal = prepared;
         } else if let Some(p) = prepared {
@@ -452,6 +488,13 @@ impl Session {
         let portal =
             msg::execute_portal(frame).ok_or(SessionError::MalformedClientMessage("Execute"))?;
         let prepared = self.portal(portal);
+        if prepared
+            .as_ref()
+            .is_some_and(|p| self.waits_for_replies(&p.analysis))
+        {
+            self.hold = Hold::Waiting;
+            return Ok(Flow::Hold);
+        }
         self.shared.stats.queries.add();
         self.tx.batch_has_execute = true;
         // A portal pgfence did not see bound is treated as one that may write.

@@ -188,6 +188,14 @@ impl Replies {
             .any(|p| p.request.is_sync_point() && p.request != Request::SyncInCopy)
     }
 
+    /// Whether a ReadyForQuery will answer everything in flight: something is, and the last
+    /// request sent is a Query, Sync or FunctionCall, so no batch is half sent.
+    pub fn ends_at_sync_point(&self) -> bool {
+        self.queue
+            .back()
+            .is_some_and(|p| p.request.is_sync_point() && p.request != Request::SyncInCopy)
+    }
+
     /// The server answered the Execute at the front with CopyInResponse: it is in copy-in
     /// mode and ignores the Syncs the client sent since (they come right after the Execute).
     /// Drops their entries and returns how many there were; afterwards the Execute is the

@@ -109,6 +109,21 @@ impl TxState {
         self.dirty && self.view != View::Failed
     }
 
+    /// Whether where the check goes around a statement of `kind` depends on what the
+    /// replies in flight may still change: whether the block has failed (the COMMIT of a
+    /// failed block is a ROLLBACK, and a check before it would fail with 25P02 and make the
+    /// server skip what follows it), or whether a block is open at all (a check after
+    /// `ROLLBACK TO SAVEPOINT` outside one changes how it fails).
+    pub fn placement_depends_on_replies(&self, kind: StatementKind) -> bool {
+        match kind {
+            StatementKind::Commit | StatementKind::PrepareTransaction => {
+                self.dirty && matches!(self.view, View::InBlock | View::Unknown)
+            }
+            StatementKind::RollbackToSavepoint => self.view == View::Unknown,
+            _ => false,
+        }
+    }
+
     /// Whether a Sync sent now may end a transaction that wrote.
     pub fn sync_needs_check(&self) -> bool {
         self.dirty && !matches!(self.view, View::InBlock | View::Failed)
