@@ -561,6 +561,15 @@ fn first_write_fails(name: &'static str, table: &str, options: &'static [u8]) ->
                 Ready(1),
             ),
             step(
+                "syntax error in a COMMIT's query string",
+                cat(&[
+                    q(&format!("BEGIN; INSERT INTO {table} VALUES (8)")),
+                    q("COMMIT; SELEC 1"),
+                    q("ROLLBACK"),
+                ]),
+                Ready(3),
+            ),
+            step(
                 "rows",
                 q(&format!("SELECT id FROM {table} ORDER BY id")),
                 Ready(1),

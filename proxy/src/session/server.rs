@@ -14,6 +14,8 @@ use super::{CommitCheck, CopyIn, Hold, Session};
 const IN_FAILED_TRANSACTION: &[u8] = b"25P02";
 /// invalid_sql_statement_name: a Bind named a statement the server does not have.
 const NO_SUCH_STATEMENT: &[u8] = b"26000";
+/// `syntax_error`: in a simple Query, the whole string failed to parse and none of it ran.
+const SYNTAX_ERROR: &[u8] = b"42601";
 
 impl Session {
     pub(super) fn on_server_frame(&mut self, tag: u8, frame: &[u8]) -> Result<(), SessionError> {
@@ -199,7 +201,9 @@ impl Session {
         let inserted = (request == Request::Query && !front.plan.inserted.is_empty())
             .then(|| front.plan.inserted.clone());
         let from_check = match request {
-            Request::Query => front.plan.in_check(),
+            // The server parses the whole string before it runs any of it: a syntax error
+            // there is the client's, even while the check that comes first is answered.
+            Request::Query => front.plan.in_check() && fields.code != SYNTAX_ERROR,
             _ => matches!(
                 origin,
                 Origin::Injected(Injected::Check | Injected::PrepareCheck(_))
