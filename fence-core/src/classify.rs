@@ -33,9 +33,13 @@
 //! - `EXPLAIN` without `ANALYZE`/`ANALYSE` (it only plans), unless it explains `EXECUTE` or
 //!   calls a function that is not on the list (the planner may run immutable functions).
 //! - `PREPARE name AS` a query that is `ReadOnly` by the rules above.
+//! - `COPY table [(columns)] TO STDOUT` and `COPY (query) TO STDOUT` with a query that is
+//!   `ReadOnly` by the rules above (parentheses outside the query hold columns or options,
+//!   never calls).
 //!
 //! `EXECUTE`, `FETCH` and `MOVE` run a query classified elsewhere and are `MayWrite`, as
-//! are `NOTIFY`, `COPY`, `LOCK`, `ANALYZE` and everything not listed.
+//! are `NOTIFY`, `COPY ... FROM`, `COPY ... TO` a file or program, `LOCK`, `ANALYZE` and
+//! everything not listed.
 //!
 //! Known limitations, inherent in classifying text (the proxy's switch that turns
 //! read-skipping off covers them): the text does not show that a view, a row-level security

@@ -783,8 +783,12 @@ def test_copy_binary(dsn):
             assert_idle(conn, context)
             got = [i for i in direct_ids(t) if base <= i < base + 100]
             assert len(got) == (0 if FENCED else 100), (context, len(got))
-            # With a new token, the connection copies both ways again (with the stale
-            # one the fast path rejects any COPY, which the classifier takes for a write).
+            # A COPY ... TO STDOUT only reads: the stale token does not stop it.
+            with cur.copy(f"COPY (SELECT count(*) FROM {t} WHERE id < 0) TO STDOUT") as copy:
+                assert b"".join(bytes(b) for b in copy) == b"0\n", context
+            with cur.copy(f"COPY {t} (id) TO STDOUT (FORMAT csv)") as copy:
+                assert b"".join(bytes(b) for b in copy).count(b"\n") == len(direct_ids(t)), context
+            # With a new token, the connection copies both ways again.
             conn.execute("SET fencing.token = 60")
             with cur.copy("COPY (SELECT 1) TO STDOUT") as copy:
                 assert b"".join(bytes(b) for b in copy) == b"1\n"

@@ -28,6 +28,10 @@ struct Seen {
     concurrently: bool,
     tablespace: bool,
     publication: bool,
+    /// `TO STDOUT` outside parentheses (`COPY ... TO STDOUT`).
+    to_stdout: bool,
+    /// `FROM` outside parentheses (`COPY ... FROM`).
+    top_from: bool,
 }
 
 /// Deciding whether `name(...)` was a call or the column list of a `WITH` query:
@@ -273,6 +277,10 @@ impl<'a> Scan<'a> {
             b"concurrently" => self.seen.concurrently = true,
             b"tablespace" => self.seen.tablespace = true,
             b"publication" => self.seen.publication = true,
+            b"stdout" if self.depth == 0 && self.prev_is_keyword(0, "to") => {
+                self.seen.to_stdout = true;
+            }
+            b"from" if self.depth == 0 => self.seen.top_from = true,
             b"atomic"
                 if self.depth == 0
                     && self.prev_is_keyword(0, "begin")
@@ -317,6 +325,10 @@ impl<'a> Scan<'a> {
         // A statement never starts with a call: `EXPLAIN (`, `VACUUM (`, `VALUES (`.
         // `PREPARE name(int, text) AS` declares parameter types.
         if self.n_tokens == 1 || (self.n_tokens == 2 && self.word_is(0, "prepare")) {
+            return;
+        }
+        // Outside its query, `COPY` has parentheses only around columns and options.
+        if self.depth == 0 && self.word_is(0, "copy") {
             return;
         }
         let call = match name.kind {
@@ -496,6 +508,7 @@ impl<'a> Scan<'a> {
             b"show" | b"set" | b"reset" | b"listen" | b"unlisten" | b"close" => ReadOnly,
             b"explain" => self.explain(),
             b"prepare" => self.prepare(),
+            b"copy" => self.copy(),
             b"begin" => Begin,
             b"start" if self.word_is(1, "transaction") => Begin,
             b"commit" if self.word_is(1, "prepared") => FinishPrepared,
@@ -557,6 +570,18 @@ impl<'a> Scan<'a> {
             StatementKind::MayWrite
         } else {
             StatementKind::ReadOnly
+        }
+    }
+
+    /// `COPY table [(columns)] TO STDOUT ...` reads, and so does `COPY (query) TO STDOUT
+    /// ...` when its query does by [`Self::select_rules`]. `COPY ... FROM` writes; `COPY ...
+    /// TO` a server file or program has effects outside the database that pgfence cannot
+    /// see: both are `MayWrite`.
+    fn copy(&self) -> StatementKind {
+        if self.seen.to_stdout && !self.seen.top_from {
+            self.select_rules()
+        } else {
+            StatementKind::MayWrite
         }
     }
 
@@ -644,7 +669,7 @@ impl<'a> Scan<'a> {
 /// Whether a statement starting with the word `w` (in lower case) is
 /// [`StatementKind::MayWrite`] whatever follows: every first word except those that
 /// [`Scan::kind`] looks beyond (or, for `reset` and `discard`,
-/// [`Scan::resets_all_settings`]). `INSERT`, `UPDATE`, `DELETE`, `MERGE`, `COPY`,
+/// [`Scan::resets_all_settings`]). `INSERT`, `UPDATE`, `DELETE`, `MERGE`,
 /// `TRUNCATE`, ...: most statements an application writes with skip the call detection and
 /// the word lists.
 fn head_decides(w: &[u8]) -> bool {
@@ -664,6 +689,7 @@ fn head_decides(w: &[u8]) -> bool {
             | b"close"
             | b"explain"
             | b"prepare"
+            | b"copy"
             | b"begin"
             | b"start"
             | b"commit"
