@@ -570,6 +570,16 @@ fn first_write_fails(name: &'static str, table: &str, options: &'static [u8]) ->
                 Ready(3),
             ),
             step(
+                "savepoint commands behind a BEGIN that never ran",
+                cat(&[
+                    q(&format!("INSERT INTO {table} VALUES (NULL); BEGIN")),
+                    q("SAVEPOINT s"),
+                    q("RELEASE s"),
+                    q("ROLLBACK TO SAVEPOINT s"),
+                ]),
+                Ready(4),
+            ),
+            step(
                 "rows",
                 q(&format!("SELECT id FROM {table} ORDER BY id")),
                 Ready(1),

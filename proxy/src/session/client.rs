@@ -155,7 +155,7 @@ impl Session {
     /// Whether a request running `analysis` waits for the replies in flight before pgfence
     /// plans its check, because where the check goes depends on them (see
     /// [`super::tx::TxState::placement_depends_on_replies`]): a pipelined COMMIT of a block
-    /// an earlier request may have failed, or `ROLLBACK TO SAVEPOINT` behind a `BEGIN` or
+    /// an earlier request may have failed, or a savepoint command behind a `BEGIN` or
     /// `COMMIT` still in flight. Only a request that starts a batch waits: the server
     /// answers a batch only at its Sync, so pgfence cannot wait in the middle of one, and
     /// its prediction stands there (see [`CommitCheck`]).

@@ -113,13 +113,15 @@ impl TxState {
     /// replies in flight may still change: whether the block has failed (the COMMIT of a
     /// failed block is a ROLLBACK, and a check before it would fail with 25P02 and make the
     /// server skip what follows it), or whether a block is open at all (a check after
-    /// `ROLLBACK TO SAVEPOINT` outside one changes how it fails).
+    /// `SAVEPOINT`, `RELEASE` or `ROLLBACK TO SAVEPOINT` outside one changes how it fails:
+    /// in an implicit block of several statements rather than alone).
     pub fn placement_depends_on_replies(&self, kind: StatementKind) -> bool {
         match kind {
             StatementKind::Commit | StatementKind::PrepareTransaction => {
                 self.dirty && matches!(self.view, View::InBlock | View::Unknown)
             }
             StatementKind::RollbackToSavepoint => self.view == View::Unknown,
+            StatementKind::Savepoint => self.dirty && self.view == View::Unknown,
             _ => false,
         }
     }
