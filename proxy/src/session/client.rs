@@ -127,10 +127,12 @@ impl Session {
     }
 
     fn prepared(&mut self, sql: &[u8]) -> Arc<Prepared> {
+        let analysis = self.analyze(sql);
         Arc::new(Prepared {
             sql: sql.into(),
             copy_in: is_copy_from_stdin(sql, self.lex),
-            analysis: self.analyze(sql),
+            tx_control: analysis.tx_control(),
+            analysis,
         })
     }
 
@@ -160,12 +162,13 @@ impl Session {
     /// answers a batch only at its Sync, so pgfence cannot wait in the middle of one, and
     /// its prediction stands there (see [`CommitCheck`]).
     fn waits_for_replies(&self, analysis: &Analysis) -> bool {
+        // Cheapest first: a client that waits for each reply has nothing in flight.
         self.fence.enabled
+            && self.replies.ends_at_sync_point()
             && analysis
                 .statements
                 .iter()
                 .any(|s| self.tx.placement_depends_on_replies(s.kind))
-            && self.replies.ends_at_sync_point()
     }
 
     /// Whether a statement that cannot run in a transaction block is checked on its own
@@ -407,7 +410,7 @@ impl Session {
                 .is_some_and(|p| *p.sql == *sql);
         let prepared = if same { None } else { Some(self.prepared(sql)) };
         let waits = match prepared.as_ref().or(self.unnamed_statement.as_ref()) {
-            Some(p) => self.waits_for_replies(&p.analysis),
+            Some(p) => p.tx_control && self.waits_for_replies(&p.analysis),
             None => false,
         };
         if waits {
@@ -468,7 +471,7 @@ impl Session {
         }
         if prepared
             .as_ref()
-            .is_some_and(|p| self.waits_for_replies(&p.analysis))
+            .is_some_and(|p| p.tx_control && self.waits_for_replies(&p.analysis))
         {
             self.hold = Hold::Waiting;
             return Ok(Flow::Hold);
@@ -490,7 +493,7 @@ impl Session {
         let prepared = self.portal(portal);
         if prepared
             .as_ref()
-            .is_some_and(|p| self.waits_for_replies(&p.analysis))
+            .is_some_and(|p| p.tx_control && self.waits_for_replies(&p.analysis))
         {
             self.hold = Hold::Waiting;
             return Ok(Flow::Hold);

@@ -61,6 +61,9 @@ pub(crate) struct Prepared {
     pub analysis: Analysis,
     /// `COPY ... FROM STDIN`: executing it puts the server in copy-in mode.
     pub copy_in: bool,
+    /// It runs transaction control (`Analysis::tx_control`): only then may its Parse, Bind
+    /// or Execute wait for the replies in flight (see `Session::waits_for_replies`).
+    pub tx_control: bool,
 }
 
 /// A statement's text kept for rejection logs, which show its first 200 characters.

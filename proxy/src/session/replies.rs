@@ -190,6 +190,7 @@ impl Replies {
 
     /// Whether a ReadyForQuery will answer everything in flight: something is, and the last
     /// request sent is a Query, Sync or FunctionCall, so no batch is half sent.
+    #[inline]
     pub fn ends_at_sync_point(&self) -> bool {
         self.queue
             .back()
