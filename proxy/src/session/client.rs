@@ -154,6 +154,13 @@ impl Session {
         }
     }
 
+    /// Keeps the client's message being handled, and stops reading the client, until what
+    /// is in flight is answered (see [`Hold::Waiting`]); then the message is handled again.
+    fn hold_until_answered(&mut self) -> Flow {
+        self.hold = Hold::Waiting;
+        Flow::Hold
+    }
+
     /// Whether a request running `analysis` waits for the replies in flight before pgfence
     /// plans its check, because where the check goes depends on them (see
     /// [`super::tx::TxState::placement_depends_on_replies`]): a pipelined COMMIT of a block
@@ -218,23 +225,20 @@ impl Session {
                 None if self.precheck_possible() && self.replies.is_empty() => {
                     self.tx.add_directives(&analysis.directives);
                     self.inject_check_with_sync(true, AfterCheck::Release);
-                    self.hold = Hold::Waiting;
-                    return Ok(Flow::Hold);
+                    return Ok(self.hold_until_answered());
                 }
                 None if self.precheck_possible() => {
                     // Replies are still owed (a pipelining client: tokio-postgres closes a
                     // statement with Close and Sync after its query returned). Checked with
                     // them in flight, the statement would have to share a query string with
                     // the check, and fail to run in a transaction block: wait for them.
-                    self.hold = Hold::Waiting;
-                    return Ok(Flow::Hold);
+                    return Ok(self.hold_until_answered());
                 }
                 None => {}
             }
         }
         if self.waits_for_replies(analysis) {
-            self.hold = Hold::Waiting;
-            return Ok(Flow::Hold);
+            return Ok(self.hold_until_answered());
         }
         if self.fence.fast_path && analysis.may_write() {
             if let Some((resource, token, fence)) =
@@ -382,13 +386,11 @@ impl Session {
                 }
                 None if self.precheck_possible() && self.replies.is_empty() => {
                     self.inject_check_with_sync(true, AfterCheck::Release);
-                    self.hold = Hold::Waiting;
-                    return Flow::Hold;
+                    return self.hold_until_answered();
                 }
                 None if self.replies.awaits_ready() && !self.tx.batch_has_execute => {
                     // Whether a block is open is known once the replies in flight are in.
-                    self.hold = Hold::Waiting;
-                    return Flow::Hold;
+                    return self.hold_until_answered();
                 }
                 None => {}
             }
@@ -414,8 +416,7 @@ impl Session {
             None => false,
         };
         if waits {
-            self.hold = Hold::Waiting;
-            return Ok(Flow::Hold);
+            return Ok(self.hold_until_answered());
         }
         match prepared {
             Some(p) if name.is_empty() => self.unnamed_statement = Some(p),
@@ -463,8 +464,7 @@ impl Session {
                         self.tx.add_directives(&p.analysis.directives);
                     }
                     self.inject_check_with_sync(true, AfterCheck::Release);
-                    self.hold = Hold::Waiting;
-                    return Ok(Flow::Hold);
+                    return Ok(self.hold_until_answered());
                 }
                 None => {}
             }
@@ -473,8 +473,7 @@ impl Session {
             .as_ref()
             .is_some_and(|p| p.tx_control && self.waits_for_replies(&p.analysis))
         {
-            self.hold = Hold::Waiting;
-            return Ok(Flow::Hold);
+            return Ok(self.hold_until_answered());
         }
         if portal.is_empty() {
             self.unnamed_portal = prepared;
@@ -495,8 +494,7 @@ impl Session {
             .as_ref()
             .is_some_and(|p| p.tx_control && self.waits_for_replies(&p.analysis))
         {
-            self.hold = Hold::Waiting;
-            return Ok(Flow::Hold);
+            return Ok(self.hold_until_answered());
         }
         self.shared.stats.queries.add();
         self.tx.batch_has_execute = true;
