@@ -5,6 +5,9 @@
 //! - [`Proxy`]: pgfence running in-process on its own tokio runtime, for sync and async tests.
 //! - [`ProxyProcess`]: the real `pgfence` binary as a child process, for signals and logs.
 //! - [`run_python`]: the psycopg and asyncpg scripts in `tests/python/`.
+//! - [`try_run_node`]: the Node.js driver scripts in `tests/node/`.
+//! - [`run_in_every_fence_mode`]: a driver script directly and through pgfence with the
+//!   fence on (with and without the fast path) and off.
 //! - [`tls`]: a CA and a server certificate made per test, and a blocking TLS client.
 //! - [`wire`]: raw protocol frames and a blocking connection with deadlines, for byte-exact
 //!   tests.
@@ -22,8 +25,10 @@
 pub mod checker;
 mod client;
 pub mod cluster;
+mod drivers;
 pub mod fence;
 mod host;
+pub mod node;
 pub mod operating;
 mod ports;
 mod process;
@@ -38,7 +43,9 @@ pub use cluster::{
     pg_bin_dir, PgCluster, PgClusterBuilder, APP_DB, MD5_PASSWORD, MD5_USER, SCRAM_PASSWORD,
     SCRAM_USER, SUPERUSER,
 };
+pub use drivers::{run_in_every_fence_mode, ScriptRunner};
 pub use nix::sys::signal::Signal;
+pub use node::{node, node_dir, node_or_skip, try_run_node};
 pub use ports::free_port;
 pub use process::{run as run_command, Outcome};
 pub use proxy::{init_tracing, Proxy};

@@ -10,7 +10,7 @@ use std::process::Command;
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
-use crate::process;
+use crate::{drivers, process};
 
 /// Deadline of one script run.
 const SCRIPT_TIMEOUT: Duration = Duration::from_secs(180);
@@ -127,19 +127,5 @@ pub fn try_run_python(script: &str, env: &[(&str, &str)]) -> Result<String, Stri
         .current_dir(python_dir())
         .env("PYTHONUNBUFFERED", "1")
         .env("PYTHONDONTWRITEBYTECODE", "1");
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let out = process::run(&mut cmd, None, SCRIPT_TIMEOUT);
-    if !out.success() {
-        return Err(format!(
-            "{} {} failed ({})\n--- stdout ---\n{}--- stderr ---\n{}",
-            py.display(),
-            path.display(),
-            out.describe(),
-            out.stdout,
-            out.stderr
-        ));
-    }
-    Ok(out.stdout)
+    drivers::run_script(cmd, &py, &path, env, SCRIPT_TIMEOUT)
 }

@@ -9,9 +9,14 @@
 //!   pgfence with the fence on (fast path on, and off so the database rejects every stale
 //!   write) and with it off; the script expects stale writes rejected only where the fence
 //!   is enforced (env `PGFENCE_FENCE`).
+//! - [`sqlalchemy_direct_and_through_pgfence`]: SQLAlchemy 2 with its `postgresql+psycopg`
+//!   and `postgresql+asyncpg` dialects, `tests/python/test_sqlalchemy.py` (ORM and Core,
+//!   connect-time introspection and COPY with a stale token, the pool's reset-on-return,
+//!   `begin_twophase()`, `begin_nested()`, insertmanyvalues), the same four ways.
 
 use harness::{
-    python_module_or_skip, python_or_skip, run_python, try_run_python, PgCluster, Proxy, APP_DB,
+    python_module_or_skip, python_or_skip, run_in_every_fence_mode, run_python, try_run_python,
+    PgCluster, Proxy, APP_DB,
 };
 
 const SCRIPTS: &[(&str, &[&str])] = &[
@@ -121,53 +126,39 @@ fn asyncpg_direct_and_through_pgfence() {
     if python_module_or_skip(test, "asyncpg", ASYNCPG_SPEC).is_none() {
         return;
     }
-    let cluster = PgCluster::start();
-    cluster.psql(APP_DB, &fence_core::sql::install_sql(None));
-    let fenced = Proxy::for_cluster(&cluster);
-    let mut config = Proxy::config_for(&cluster);
-    config.fence.fast_path = false;
-    let database_only = Proxy::start(config);
-    let mut config = Proxy::config_for(&cluster);
-    config.fence.enabled = false;
-    let plain = Proxy::start(config);
+    run_in_every_fence_mode("test_asyncpg.py", ASYNCPG_TESTS, try_run_python);
+}
 
-    let direct = cluster.connstr(APP_DB);
-    let targets = [
-        ("direct", None, "off"),
-        ("fence on", Some(fenced.connstr(APP_DB)), "on"),
-        (
-            "fence on, no fast path",
-            Some(database_only.connstr(APP_DB)),
-            "on",
-        ),
-        ("fence off", Some(plain.connstr(APP_DB)), "off"),
-    ];
-    // Every way is run and reported before the test fails, so one run shows them all.
-    let mut failures = Vec::new();
-    for (mode, through, fence) in &targets {
-        let mut env = vec![
-            ("PG_DIRECT_DSN", direct.as_str()),
-            ("PGFENCE_FENCE", *fence),
-        ];
-        if let Some(dsn) = through {
-            env.push(("PGFENCE_DSN", dsn.as_str()));
-        }
-        match try_run_python("test_asyncpg.py", &env) {
-            Ok(out) => {
-                eprintln!("{mode} test_asyncpg.py:\n{out}");
-                let missing: Vec<_> = ASYNCPG_TESTS
-                    .iter()
-                    .filter(|name| !out.lines().any(|l| l.starts_with(&format!("ok {name} "))))
-                    .collect();
-                if !missing.is_empty() {
-                    failures.push(format!("{mode}: no `ok` for {missing:?} in:\n{out}"));
-                }
-            }
-            Err(failure) => {
-                eprintln!("{mode} test_asyncpg.py:\n{failure}");
-                failures.push(format!("{mode}: {failure}"));
-            }
-        }
+/// What `scripts/install-deps.sh` installs for SQLAlchemy: `asyncio` brings greenlet, which
+/// its async engine needs (SQLAlchemy 2.1 no longer installs it by default).
+const SQLALCHEMY_SPEC: &str = "SQLAlchemy[asyncio]>=2.0,<3";
+
+/// Each for the `psycopg` (sync engine) and `asyncpg` (async engine) dialect.
+const SQLALCHEMY_TESTS: &[&str] = &[
+    "psycopg_orm_round_trip",
+    "psycopg_stale_token",
+    "psycopg_pool_reuse",
+    "psycopg_two_phase",
+    "psycopg_stale_two_phase",
+    "psycopg_savepoints",
+    "psycopg_executemany",
+    "asyncpg_orm_round_trip",
+    "asyncpg_stale_token",
+    "asyncpg_pool_reuse",
+    "asyncpg_two_phase",
+    "asyncpg_stale_two_phase",
+    "asyncpg_savepoints",
+    "asyncpg_executemany",
+];
+
+#[test]
+fn sqlalchemy_direct_and_through_pgfence() {
+    let test = "sqlalchemy_direct_and_through_pgfence";
+    if python_module_or_skip(test, "asyncpg", ASYNCPG_SPEC).is_none()
+        || python_module_or_skip(test, "sqlalchemy", SQLALCHEMY_SPEC).is_none()
+        || python_module_or_skip(test, "greenlet", SQLALCHEMY_SPEC).is_none()
+    {
+        return;
     }
-    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+    run_in_every_fence_mode("test_sqlalchemy.py", SQLALCHEMY_TESTS, try_run_python);
 }
