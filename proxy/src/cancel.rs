@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use dashmap::DashMap;
 use pgfence_config::UpstreamSslMode;
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpStream, UnixStream};
 
 use crate::net::{Stream, UpstreamAddr};
@@ -108,7 +108,10 @@ pub async fn forward(target: CancelTarget, limit: Duration) -> Result<(), String
     }
 }
 
-/// Sends a CancelRequest for `target` to its upstream server.
+/// Sends a CancelRequest for `target` to its upstream server, and waits until the server
+/// closes the connection: it has then signalled the backend, so the client, whose own
+/// connection pgfence closes next, is told as late as PostgreSQL would tell it (libpq's
+/// `PQcancel` waits for that close before it returns).
 pub async fn send_cancel(target: CancelTarget) -> std::io::Result<()> {
     let mut packet = [0u8; 16];
     packet[0..4].copy_from_slice(&16u32.to_be_bytes());
@@ -124,7 +127,12 @@ pub async fn send_cancel(target: CancelTarget) -> std::io::Result<()> {
         (UpstreamAddr::Unix(path), _) => Stream::Unix(UnixStream::connect(path).await?),
     };
     stream.write_all(&packet).await?;
-    stream.shutdown().await
+    stream.shutdown().await?;
+    // The server sends nothing: whatever ends the read (end of stream, or a reset), the
+    // request was handled.
+    let mut end = [0u8; 1];
+    let _ = stream.read(&mut end).await;
+    Ok(())
 }
 
 #[cfg(test)]
@@ -280,6 +288,28 @@ mod tests {
         registry.unregister(second.0, second.1);
         assert_eq!(registry.client_pid(&upstream, 100), None);
         assert!(registry.lookup(first.0, first.1).is_none());
+    }
+
+    /// The forward ends only when the server has closed the connection (it has then
+    /// signalled the backend): the client's own cancel connection is closed after it.
+    #[tokio::test]
+    async fn a_forward_waits_for_the_server_to_close() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let hold = Duration::from_millis(300);
+        let server = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut request = [0u8; 16];
+            s.read_exact(&mut request).await.unwrap();
+            tokio::time::sleep(hold).await;
+            request
+        });
+        let started = std::time::Instant::now();
+        forward(target(port, 4242), Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert!(started.elapsed() >= hold, "{:?}", started.elapsed());
+        assert_eq!(server.await.unwrap(), CANCEL_4242);
     }
 
     /// A server that takes the connection and never answers the SSLRequest: forwarding
