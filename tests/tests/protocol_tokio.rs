@@ -538,11 +538,14 @@ async fn ids(direct: &Client, t: &str) -> Vec<i32> {
     direct.query_one(&sql, &[]).await.unwrap().get(0)
 }
 
-/// Runs `query`, cancelling it through `token` every 300 ms until it ends: a cancel that
-/// arrives before the query started is lost (as with PostgreSQL itself), so one may not do.
-/// When more than one went out, a later one may still be on its way to the backend when the
-/// query ends (the server signals its backend asynchronously): it is given time to land
-/// while the session is idle, where a cancel does nothing, rather than on the next query.
+/// Runs `query`, cancelling it through `token` after 300 ms, then every second until it
+/// ends: a cancel that arrives before the query started is lost (as with PostgreSQL itself),
+/// so one may not do. When more than one went out, a later one may still be on its way to
+/// the backend when the query ends (tokio-postgres does not wait for the server to close
+/// the cancel connection, as libpq does): it is given two seconds to land while the session
+/// is idle, where a cancel does nothing, rather than on the next query. (With 300 ms
+/// between cancels and half a second to land, a loaded CI machine once had a late cancel
+/// hit the next statement.)
 async fn cancelled<T>(
     token: &CancelToken,
     query: impl std::future::Future<Output = Result<T, tokio_postgres::Error>>,
@@ -553,11 +556,11 @@ async fn cancelled<T>(
         tokio::select! {
             r = &mut query => {
                 if sent > 1 {
-                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    tokio::time::sleep(Duration::from_secs(2)).await;
                 }
                 return r;
             }
-            () = tokio::time::sleep(Duration::from_millis(300)) => {
+            () = tokio::time::sleep(Duration::from_millis(if sent == 0 { 300 } else { 1000 })) => {
                 token.cancel_query(NoTls).await.expect("cancel_query");
                 sent += 1;
             }
