@@ -24,6 +24,25 @@ def proxy_dsn():
     return os.environ.get("PGFENCE_DSN") or None
 
 
+def fence_enforced():
+    """Whether stale writes must be rejected: through pgfence, unless PGFENCE_FENCE is `off`
+    (directly, or with the fence off, they land)."""
+    return proxy_dsn() is not None and os.environ.get("PGFENCE_FENCE", "on") == "on"
+
+
+def run_mode():
+    """How this run goes: `direct`, `fenced` (through pgfence, fence enforced) or `proxy`."""
+    if proxy_dsn() is None:
+        return "direct"
+    return "fenced" if fence_enforced() else "proxy"
+
+
+def run_suffix():
+    """Ends the names of a run's tables, channels and resources (this process and how it
+    runs), so that runs can share a database."""
+    return f"{os.getpid()}_{run_mode()}"
+
+
 def target_dsn():
     """What the tests exercise: pgfence when PGFENCE_DSN is set, else PostgreSQL directly."""
     return proxy_dsn() or direct_dsn()

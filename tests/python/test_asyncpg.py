@@ -31,12 +31,11 @@ import uuid
 import asyncpg
 
 from fence_expect import stale
-from pgfence_test import direct_dsn, proxy_dsn, run
+from pgfence_test import direct_dsn, fence_enforced, run, run_suffix
 
-FENCED = proxy_dsn() is not None and os.environ.get("PGFENCE_FENCE", "on") == "on"
-MODE = ("fenced" if FENCED else "proxy") if proxy_dsn() else "direct"
+FENCED = fence_enforced()
 # Tables, channels and resources are named after this process, so runs can share a database.
-SUFFIX = f"{os.getpid()}_{MODE}"
+SUFFIX = run_suffix()
 # One test's deadline.
 DEADLINE = 90
 TOKEN_A = 33

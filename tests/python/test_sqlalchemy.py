@@ -26,7 +26,6 @@ script.
 
 import asyncio
 import io
-import os
 import threading
 
 import psycopg
@@ -36,12 +35,12 @@ from sqlalchemy import orm
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
 from fence_expect import stale
-from pgfence_test import direct_dsn, proxy_dsn, run
+from pgfence_test import direct_dsn, fence_enforced, run, run_mode, run_suffix
 
-FENCED = proxy_dsn() is not None and os.environ.get("PGFENCE_FENCE", "on") == "on"
-MODE = ("fenced" if FENCED else "proxy") if proxy_dsn() else "direct"
+FENCED = fence_enforced()
+MODE = run_mode()
 # Tables and resources are named after this process, so runs can share a database.
-SUFFIX = f"{os.getpid()}_{MODE}"
+SUFFIX = run_suffix()
 # One test's deadline, in seconds.
 DEADLINE = 20
 TOKEN_A = 33
