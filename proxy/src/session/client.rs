@@ -56,6 +56,9 @@ impl Session {
             }
             return Ok(Flow::Continue);
         }
+        if self.copy_through {
+            return Ok(self.copy_through_hold(kind, frame));
+        }
         if self.copy_in != CopyIn::None {
             match kind {
                 Frontend::Sync | Frontend::Flush | Frontend::CopyData => {}
@@ -103,6 +106,23 @@ impl Session {
             Frontend::Terminate => return Ok(Flow::Terminate),
         }
         Ok(Flow::Continue)
+    }
+
+    /// A client message while pgfence waits for a Query holding `COPY ... FROM STDIN` to be
+    /// answered (see `Session::copy_through`): copy messages go upstream, the first other
+    /// one is held until the Query is answered.
+    #[cold]
+    #[inline(never)]
+    fn copy_through_hold(&mut self, kind: Frontend, frame: &[u8]) -> Flow {
+        if matches!(
+            kind,
+            Frontend::CopyData | Frontend::CopyDone | Frontend::CopyFail
+        ) {
+            self.to_server.extend_from_slice(frame);
+            return Flow::Continue;
+        }
+        self.copy_through = false;
+        Flow::Hold
     }
 
     #[inline]
@@ -324,6 +344,10 @@ impl Session {
                 found_failed: false,
             };
             self.hold = Hold::Waiting;
+            self.copy_through = analysis
+                .statements
+                .iter()
+                .any(|s| is_copy_from_stdin(s.text(sql), self.lex));
             return Ok(Flow::Pause);
         }
         Ok(Flow::Continue)

@@ -516,6 +516,10 @@ pub(crate) struct Session {
     portals: Names,
     unnamed_portal: Option<Arc<Prepared>>,
     hold: Hold,
+    /// While [`Hold::Waiting`] for a Query that holds `COPY ... FROM STDIN` (see
+    /// [`CommitCheck`]): the client's copy messages still go upstream, or the server would
+    /// wait for them and the Query never be answered. The first other message is held.
+    copy_through: bool,
     /// After a failed precheck of an extended-protocol batch: drop client messages up to
     /// the Sync, answer it with ReadyForQuery of this status.
     discard_until_sync: Option<u8>,
@@ -606,6 +610,7 @@ impl Session {
             portals: Names::default(),
             unnamed_portal: None,
             hold: Hold::None,
+            copy_through: false,
             discard_until_sync: None,
             check_failed: false,
             last_sql: None,
@@ -659,11 +664,13 @@ impl Session {
         }
         let mut client_pending = !cbuf.is_empty();
         loop {
-            if client_pending && self.hold != Hold::Waiting {
+            if client_pending && self.reads_client() {
                 client_pending = false;
                 match self.on_client_bytes(&mut cbuf) {
                     Ok(Flow::Terminate) => client_open = false,
-                    Ok(Flow::Hold | Flow::Continue | Flow::Pause) => {}
+                    // Copy data the client sent along with the Query it paused at.
+                    Ok(Flow::Pause) => client_pending = self.copy_through && !cbuf.is_empty(),
+                    Ok(Flow::Hold | Flow::Continue) => {}
                     Err(e) => return Err(self.fail(&mut cw, e).await),
                 }
             }
@@ -682,7 +689,7 @@ impl Session {
                 return Err(self.say_goodbye(&mut cw, stop.reason()).await);
             }
             let read_client =
-                client_open && self.hold != Hold::Waiting && self.to_server.len() < HIGH_WATER;
+                client_open && self.reads_client() && self.to_server.len() < HIGH_WATER;
             let read_server = self.to_client.len() < HIGH_WATER;
             if cbuf.capacity() - cbuf.len() < 1024 {
                 cbuf.reserve(READ_CHUNK);
@@ -709,6 +716,7 @@ impl Session {
                     }
                     if was_waiting && self.hold != Hold::Waiting {
                         client_pending = true;
+                        self.copy_through = false;
                     }
                 }
                 r = client_readable.read(&mut cr, &mut cbuf), if read_client => {
@@ -775,6 +783,12 @@ impl Session {
         e.to_client(&mut out);
         let _ = write_out(cw, &out).await;
         e
+    }
+
+    /// Whether client messages are read and handled now.
+    #[inline]
+    fn reads_client(&self) -> bool {
+        self.hold != Hold::Waiting || self.copy_through
     }
 
     /// Processes every complete client message in `buf`.
