@@ -32,6 +32,9 @@ struct Seen {
     to_stdout: bool,
     /// `FROM` outside parentheses (`COPY ... FROM`).
     top_from: bool,
+    /// `WITH HOLD` outside parentheses (`DECLARE name CURSOR WITH HOLD`; a `WITH` query
+    /// named `hold` sets it too, which only keeps pgfence's check).
+    with_hold: bool,
 }
 
 /// Deciding whether `name(...)` was a call or the column list of a `WITH` query:
@@ -76,6 +79,17 @@ pub(super) struct Scan<'a> {
     /// A query (`SELECT`, `VALUES`, `TABLE`, `WITH`, `DECLARE`, `(`): its kind follows from
     /// [`Seen`] alone, not from its words after the first (see [`Self::feed_query`]).
     query: bool,
+    /// Its first word, if one of those that may make [`Statement::needs_block`].
+    block_head: BlockHead,
+}
+
+/// First words of statements that may fail or warn outside a transaction block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BlockHead {
+    Other,
+    Lock,
+    Declare,
+    Set,
 }
 
 const NO_TOK: Tok = Tok {
@@ -101,6 +115,7 @@ impl<'a> Scan<'a> {
             columns: MaybeColumns::No,
             head_decides: false,
             query: false,
+            block_head: BlockHead::Other,
         }
     }
 
@@ -117,6 +132,7 @@ impl<'a> Scan<'a> {
         self.columns = MaybeColumns::No;
         self.head_decides = false;
         self.query = false;
+        self.block_head = BlockHead::Other;
     }
 
     /// The first top-level words recorded.
@@ -188,6 +204,14 @@ impl<'a> Scan<'a> {
             TokKind::Ident => lower(self.text(tok), &mut buf),
             _ => &[],
         };
+        if self.n_tokens == 0 {
+            self.block_head = match lower {
+                b"lock" => BlockHead::Lock,
+                b"declare" => BlockHead::Declare,
+                b"set" => BlockHead::Set,
+                _ => BlockHead::Other,
+            };
+        }
         if self.n_tokens == 0 && tok.kind == TokKind::Ident && head_decides(lower) {
             self.head_decides = true;
             self.words[0] = tok;
@@ -281,6 +305,13 @@ impl<'a> Scan<'a> {
                 self.seen.to_stdout = true;
             }
             b"from" if self.depth == 0 => self.seen.top_from = true,
+            b"hold"
+                if self.block_head == BlockHead::Declare
+                    && self.depth == 0
+                    && self.prev_is_keyword(0, "with") =>
+            {
+                self.seen.with_hold = true;
+            }
             b"atomic"
                 if self.depth == 0
                     && self.prev_is_keyword(0, "begin")
@@ -485,6 +516,7 @@ impl<'a> Scan<'a> {
             end,
             kind: self.kind(),
             directives: self.directives_from..directives_end,
+            needs_block: self.needs_block(),
         })
     }
 
@@ -536,6 +568,20 @@ impl<'a> Scan<'a> {
             b"cluster" => self.cluster(),
             // Keep in step with `head_decides`: a word listed here must be listed there.
             _ => MayWrite,
+        }
+    }
+
+    /// See [`Statement::needs_block`].
+    fn needs_block(&self) -> bool {
+        match self.block_head {
+            BlockHead::Other => false,
+            BlockHead::Lock => true,
+            BlockHead::Declare => !self.seen.with_hold,
+            BlockHead::Set => {
+                self.word_is(1, "local")
+                    || self.word_is(1, "transaction")
+                    || self.word_is(1, "constraints")
+            }
         }
     }
 

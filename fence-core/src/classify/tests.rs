@@ -562,6 +562,44 @@ fn analysis_helpers() {
 }
 
 #[test]
+fn statements_that_need_a_transaction_block() {
+    let needs = |sql: &str| {
+        let a = analyze(sql.as_bytes());
+        assert_eq!(a.statements.len(), 1, "{sql}");
+        a.statements[0].needs_block
+    };
+    for sql in [
+        "LOCK r",
+        "lock table r in exclusive mode",
+        "DECLARE c CURSOR FOR SELECT 1",
+        "declare c no scroll cursor without hold for select id from r for update",
+        "DECLARE c BINARY CURSOR FOR SELECT f()",
+        "/* fencing_token=3 */ LOCK TABLE r",
+        "SET LOCAL application_name = 'x'",
+        "set local fencing.token = 5",
+        "SET TRANSACTION ISOLATION LEVEL SERIALIZABLE",
+        "SET CONSTRAINTS ALL DEFERRED",
+    ] {
+        assert!(needs(sql), "{sql}");
+    }
+    for sql in [
+        "DECLARE c CURSOR WITH HOLD FOR SELECT 1",
+        "declare c scroll cursor with hold for select f()",
+        // A `WITH` query named `hold` looks like `WITH HOLD`: pgfence keeps its check.
+        "DECLARE c CURSOR FOR WITH hold AS (SELECT 1) SELECT * FROM hold",
+        "SELECT 1",
+        "INSERT INTO lock VALUES (1)",
+        "SAVEPOINT s",
+        "UPDATE r SET v = 1",
+        "SET application_name = 'x'",
+        "SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY",
+        "RESET ALL",
+    ] {
+        assert!(!needs(sql), "{sql}");
+    }
+}
+
+#[test]
 fn single_statement_does_not_allocate() {
     let a = analyze(b"SELECT abalance FROM pgbench_accounts WHERE aid = $1");
     assert_eq!(a.statements.all.capacity(), 0);

@@ -160,6 +160,18 @@ impl TxState {
             View::InBlock | View::Failed => Some(true),
             View::Unknown => None,
         };
+        if let [only] = &*analysis.statements {
+            if only.needs_block && in_block != Some(true) {
+                // Outside a block it fails without running (`LOCK`, `DECLARE ... CURSOR`)
+                // or only warns (`SET LOCAL`): a check after it would make the Query an
+                // implicit block, where it runs. Inside one (if a `BEGIN` in flight opened
+                // it) the COMMIT is checked; and if none is open, what made the session
+                // dirty never ran (the writes were planned in the block that `BEGIN` was
+                // to open, and a `BEGIN` fails only in a failed block).
+                self.dirty |= in_block.is_none();
+                return plan;
+            }
+        }
         let mut failed = self.view == View::Failed;
         let mut control = false;
         for (i, st) in analysis.statements.iter().enumerate() {
