@@ -489,6 +489,18 @@ fn sessions(abs_oid: u32) -> Vec<Session> {
                 step("terminate", wire::terminate(), Closed),
             ],
         },
+        Session {
+            name: "copy before an inner COMMIT, statements that need a block",
+            startup: wire::startup_version(
+                wire::PROTOCOL_3_0,
+                &[
+                    ("user", SUPERUSER.as_bytes()),
+                    ("database", APP_DB.as_bytes()),
+                    ("options", b"-c fencing.resource=differential-copy -c fencing.token=7"),
+                ],
+            ),
+            steps: copy_and_block_steps(),
+        },
         first_write_fails("first write fails, no token", "first_a", b""),
         first_write_fails(
             "first write fails, session token",
@@ -515,6 +527,113 @@ fn sessions(abs_oid: u32) -> Vec<Session> {
 
 fn s() -> Vec<u8> {
     wire::sync()
+}
+
+/// A Query holding `COPY ... FROM STDIN` before a COMMIT pgfence checks: pgfence waits for
+/// the Query's replies before the client's next message, but must let the copy data
+/// through (it once waited for them while the server waited for the data). And `LOCK`,
+/// `DECLARE ... CURSOR` and `SET LOCAL` alone outside a block: they fail or warn there,
+/// and a check appended to them made them run.
+fn copy_and_block_steps() -> Vec<Step> {
+    use Until::*;
+    let copy = |sql: &str, rows: &[&str], end: Vec<u8>| {
+        let mut out = q(sql);
+        for row in rows {
+            out.extend(wire::copy_data(row.as_bytes()));
+        }
+        out.extend(end);
+        out
+    };
+    vec![
+        step("table", q("CREATE TABLE cp (id int PRIMARY KEY)"), Ready(1)),
+        step(
+            "copy fails before an inner COMMIT",
+            copy(
+                "COPY cp FROM STDIN; COMMIT",
+                &["1\n", "x\n"],
+                wire::copy_done(),
+            ),
+            Ready(1),
+        ),
+        step(
+            "copy in a block, COMMIT and a read after it",
+            copy(
+                "BEGIN; COPY cp FROM STDIN; COMMIT; SELECT count(*) FROM cp",
+                &["1\n2\n"],
+                wire::copy_done(),
+            ),
+            Ready(1),
+        ),
+        step(
+            "copy given up before an inner COMMIT (the block stays failed)",
+            cat(&[
+                copy(
+                    "BEGIN; INSERT INTO cp VALUES (3); COPY cp FROM STDIN; COMMIT",
+                    &["4\n"],
+                    wire::copy_fail("given up"),
+                ),
+                q("ROLLBACK"),
+            ]),
+            Ready(2),
+        ),
+        step(
+            "copy before an inner COMMIT, a Query pipelined after the data",
+            cat(&[
+                copy("COPY cp FROM STDIN; COMMIT", &["5\n"], wire::copy_done()),
+                q("SELECT id FROM cp ORDER BY id"),
+            ]),
+            Ready(2),
+        ),
+        step(
+            "copy with a statement before it that fails",
+            copy(
+                "INSERT INTO cp VALUES (1); COPY cp FROM STDIN; COMMIT",
+                &["6\n"],
+                wire::copy_done(),
+            ),
+            Ready(1),
+        ),
+        step("LOCK alone", q("LOCK cp"), Ready(1)),
+        step(
+            "DECLARE FOR UPDATE alone",
+            q("DECLARE c CURSOR FOR SELECT id FROM cp FOR UPDATE"),
+            Ready(1),
+        ),
+        step(
+            "DECLARE FOR UPDATE in an implicit block",
+            q("DECLARE c CURSOR FOR SELECT id FROM cp ORDER BY id FOR UPDATE; FETCH 2 FROM c"),
+            Ready(1),
+        ),
+        step(
+            "LOCK behind a BEGIN in flight",
+            cat(&[
+                q("BEGIN"),
+                q("LOCK cp"),
+                q("INSERT INTO cp VALUES (9)"),
+                q("COMMIT"),
+            ]),
+            Ready(4),
+        ),
+        step(
+            "DECLARE WITH HOLD alone",
+            cat(&[
+                q("DECLARE h CURSOR WITH HOLD FOR SELECT id FROM cp ORDER BY id"),
+                q("FETCH ALL FROM h"),
+            ]),
+            Ready(2),
+        ),
+        step(
+            "SET LOCAL behind a BEGIN that never ran (it warns)",
+            cat(&[
+                q("SELECT 1/0; BEGIN; INSERT INTO cp VALUES (20)"),
+                q("SET LOCAL application_name = 'x'"),
+                q("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE"),
+            ]),
+            Ready(3),
+        ),
+        step("count", q("SELECT count(*) FROM cp"), Ready(1)),
+        step("terminate", wire::terminate(), Closed),
+    ]
 }
 
 /// A session whose first extended-protocol write fails before pgfence's check: the server
