@@ -142,13 +142,14 @@ pub struct Statement {
     pub kind: StatementKind,
     /// Its directives: indices into [`Analysis::directives`].
     pub directives: Range<usize>,
-    /// It fails, or does nothing but warn, outside a transaction block: `LOCK` and
-    /// `DECLARE` of a cursor without `WITH HOLD` fail (PostgreSQL's
-    /// `RequireTransactionBlock`; the savepoint commands have kinds of their own), `SET
-    /// LOCAL`, `SET TRANSACTION` and `SET CONSTRAINTS` warn (`WarnNoTransactionBlock`).
-    /// That is when it is alone in a Query: with other statements, the Query's implicit
-    /// block lets it run.
-    pub needs_block: bool,
+    /// Alone in a Query, it does something else in a transaction block than outside one
+    /// (and the Query's implicit block counts as one when it holds other statements):
+    /// `LOCK` and `DECLARE` of a cursor without `WITH HOLD` fail outside a block
+    /// (PostgreSQL's `RequireTransactionBlock`; the savepoint commands have kinds of their
+    /// own), `SET LOCAL`, `SET TRANSACTION` and `SET CONSTRAINTS` only warn there
+    /// (`WarnNoTransactionBlock`), and `DISCARD ALL` fails inside one
+    /// (`PreventInTransactionBlock`, like the [`StatementKind::NonTransactional`] ones).
+    pub block_sensitive: bool,
 }
 
 impl Statement {

@@ -79,7 +79,7 @@ pub(super) struct Scan<'a> {
     /// A query (`SELECT`, `VALUES`, `TABLE`, `WITH`, `DECLARE`, `(`): its kind follows from
     /// [`Seen`] alone, not from its words after the first (see [`Self::feed_query`]).
     query: bool,
-    /// Its first word, if one of those that may make [`Statement::needs_block`].
+    /// Its first word, if one of those that may make [`Statement::block_sensitive`].
     block_head: BlockHead,
 }
 
@@ -90,6 +90,7 @@ enum BlockHead {
     Lock,
     Declare,
     Set,
+    Discard,
 }
 
 const NO_TOK: Tok = Tok {
@@ -209,6 +210,7 @@ impl<'a> Scan<'a> {
                 b"lock" => BlockHead::Lock,
                 b"declare" => BlockHead::Declare,
                 b"set" => BlockHead::Set,
+                b"discard" => BlockHead::Discard,
                 _ => BlockHead::Other,
             };
         }
@@ -516,7 +518,7 @@ impl<'a> Scan<'a> {
             end,
             kind: self.kind(),
             directives: self.directives_from..directives_end,
-            needs_block: self.needs_block(),
+            block_sensitive: self.block_sensitive(),
         })
     }
 
@@ -571,8 +573,8 @@ impl<'a> Scan<'a> {
         }
     }
 
-    /// See [`Statement::needs_block`].
-    fn needs_block(&self) -> bool {
+    /// See [`Statement::block_sensitive`].
+    fn block_sensitive(&self) -> bool {
         match self.block_head {
             BlockHead::Other => false,
             BlockHead::Lock => true,
@@ -582,6 +584,7 @@ impl<'a> Scan<'a> {
                     || self.word_is(1, "transaction")
                     || self.word_is(1, "constraints")
             }
+            BlockHead::Discard => self.word_is(1, "all"),
         }
     }
 

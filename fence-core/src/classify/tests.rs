@@ -562,11 +562,11 @@ fn analysis_helpers() {
 }
 
 #[test]
-fn statements_that_need_a_transaction_block() {
+fn statements_sensitive_to_a_transaction_block() {
     let needs = |sql: &str| {
         let a = analyze(sql.as_bytes());
         assert_eq!(a.statements.len(), 1, "{sql}");
-        a.statements[0].needs_block
+        a.statements[0].block_sensitive
     };
     for sql in [
         "LOCK r",
@@ -579,6 +579,7 @@ fn statements_that_need_a_transaction_block() {
         "set local fencing.token = 5",
         "SET TRANSACTION ISOLATION LEVEL SERIALIZABLE",
         "SET CONSTRAINTS ALL DEFERRED",
+        "DISCARD ALL",
     ] {
         assert!(needs(sql), "{sql}");
     }
@@ -594,6 +595,9 @@ fn statements_that_need_a_transaction_block() {
         "SET application_name = 'x'",
         "SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY",
         "RESET ALL",
+        "DISCARD PLANS",
+        "DEALLOCATE ALL",
+        "VACUUM",
     ] {
         assert!(!needs(sql), "{sql}");
     }

@@ -247,11 +247,15 @@ impl Session {
                     self.inject_check_with_sync(true, AfterCheck::Release);
                     return Ok(self.hold_until_answered());
                 }
-                None if self.precheck_possible() => {
+                None if (self.precheck_possible() || self.tx.view == View::Unknown)
+                    && self.replies.ends_at_sync_point() =>
+                {
                     // Replies are still owed (a pipelining client: tokio-postgres closes a
                     // statement with Close and Sync after its query returned). Checked with
                     // them in flight, the statement would have to share a query string with
-                    // the check, and fail to run in a transaction block: wait for them.
+                    // the check, and fail to run in a transaction block: wait for them. So
+                    // when transaction control is in flight: its replies tell whether the
+                    // statement runs in a block (and fails) or can be checked first.
                     return Ok(self.hold_until_answered());
                 }
                 None => {}

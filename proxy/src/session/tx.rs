@@ -161,13 +161,14 @@ impl TxState {
             View::Unknown => None,
         };
         if let [only] = &*analysis.statements {
-            if only.needs_block && in_block != Some(true) {
-                // Outside a block it fails without running (`LOCK`, `DECLARE ... CURSOR`)
-                // or only warns (`SET LOCAL`): a check after it would make the Query an
-                // implicit block, where it runs. Inside one (if a `BEGIN` in flight opened
-                // it) the COMMIT is checked; and if none is open, what made the session
-                // dirty never ran (the writes were planned in the block that `BEGIN` was
-                // to open, and a `BEGIN` fails only in a failed block).
+            if only.block_sensitive && in_block != Some(true) {
+                // A check after it would make the Query an implicit block, where it does
+                // something else than alone outside one (`LOCK` runs, `SET LOCAL` does not
+                // warn, `DISCARD ALL` fails). Alone outside a block it writes nothing: it
+                // fails, warns, or resets the session. Inside a block (if a `BEGIN` in
+                // flight opened one) the COMMIT is checked; and if none is open, what made
+                // the session dirty never ran (it was planned in the block that `BEGIN`
+                // was to open, and a `BEGIN` fails only in a failed block).
                 self.dirty |= in_block.is_none();
                 return plan;
             }
