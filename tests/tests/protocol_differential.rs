@@ -532,8 +532,9 @@ fn s() -> Vec<u8> {
 /// A Query holding `COPY ... FROM STDIN` before a COMMIT pgfence checks: pgfence waits for
 /// the Query's replies before the client's next message, but must let the copy data
 /// through (it once waited for them while the server waited for the data). And `LOCK`,
-/// `DECLARE ... CURSOR` and `SET LOCAL` alone outside a block: they fail or warn there,
-/// and a check appended to them made them run.
+/// `DECLARE ... CURSOR`, `SET LOCAL`, `DISCARD ALL` and `VACUUM` alone, outside a block or
+/// behind a `BEGIN` in flight: a check appended to them made the Query an implicit block,
+/// where the first three ran (they fail or warn outside one) and the last two failed.
 fn copy_and_block_steps() -> Vec<Step> {
     use Until::*;
     let copy = |sql: &str, rows: &[&str], end: Vec<u8>| {
@@ -630,6 +631,28 @@ fn copy_and_block_steps() -> Vec<Step> {
                 q("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE"),
             ]),
             Ready(3),
+        ),
+        step(
+            "DISCARD ALL and VACUUM behind a BEGIN that never ran",
+            cat(&[
+                q("INSERT INTO cp VALUES (1); BEGIN; INSERT INTO cp VALUES (21)"),
+                q("DISCARD ALL"),
+                q("INSERT INTO cp VALUES (1); BEGIN; INSERT INTO cp VALUES (22)"),
+                q("VACUUM cp"),
+            ]),
+            Ready(4),
+        ),
+        step(
+            "DISCARD ALL and VACUUM behind a BEGIN that ran",
+            cat(&[
+                q("BEGIN; INSERT INTO cp VALUES (23)"),
+                q("DISCARD ALL"),
+                q("ROLLBACK"),
+                q("BEGIN; INSERT INTO cp VALUES (24)"),
+                q("VACUUM cp"),
+                q("ROLLBACK"),
+            ]),
+            Ready(6),
         ),
         step("count", q("SELECT count(*) FROM cp"), Ready(1)),
         step("terminate", wire::terminate(), Closed),

@@ -29,7 +29,7 @@
 //!   cursors (`DECLARE`, `WITH HOLD`, `FOR UPDATE`, `FETCH`, `MOVE`, `CLOSE`), SQL
 //!   `PREPARE`/`EXECUTE`/`DEALLOCATE`, `DISCARD`, `SET [LOCAL]` of other settings, `RESET
 //!   ALL`, `SET TRANSACTION`, `BEGIN ISOLATION LEVEL ...`, `LISTEN`/`NOTIFY`, `COPY ... TO
-//!   STDOUT`, a temporary table, `LOCK`, `TRUNCATE`; sometimes several Query messages
+//!   STDOUT`, a temporary table, `LOCK`, `TRUNCATE`, `VACUUM`; sometimes several Query messages
 //!   pipelined in one write; a Query holding `COPY r FROM STDIN` (alone or among other
 //!   statements) followed in the same write by its rows (some bad) and CopyDone or
 //!   CopyFail; a two-phase commit (`PREPARE TRANSACTION` in a Query or an extended batch,
@@ -373,7 +373,7 @@ impl Gen {
     /// session state it may track.
     fn other(&mut self) -> String {
         let k = self.key();
-        match self.rng.gen_range(0..35) {
+        match self.rng.gen_range(0..36) {
             0 => "DECLARE c CURSOR FOR SELECT id, v FROM r ORDER BY id".to_string(),
             1 => "DECLARE h CURSOR WITH HOLD FOR SELECT g FROM generate_series(1, 5) g".to_string(),
             2 => format!("DECLARE u CURSOR FOR SELECT id FROM r WHERE id = {k} FOR UPDATE"),
@@ -441,6 +441,7 @@ impl Gen {
             33 => self
                 .pick(&["LOCK TABLE r IN ROW EXCLUSIVE MODE", "LOCK r"])
                 .to_string(),
+            34 => "VACUUM r".to_string(),
             _ => "SELECT 1; SELECT 2".to_string(),
         }
     }
