@@ -480,22 +480,22 @@ impl Session {
         let non_transactional = prepared.as_ref().is_some_and(|p| {
             matches!(&*p.analysis.statements, [only] if only.kind == StatementKind::NonTransactional)
         });
-        if non_transactional {
-            match self.take_hold() {
-                Some(Ok(())) => {}
-                Some(Err(status)) => {
-                    self.discard_until_sync = Some(status);
-                    return Ok(Flow::Continue);
-                }
-                None if self.precheck_possible() => {
-                    if let Some(p) = &prepared {
-                        self.tx.add_directives(&p.analysis.directives);
-                    }
-                    self.inject_check_with_sync(true, AfterCheck::Release);
-                    return Ok(self.hold_until_answered());
-                }
-                None => {}
+        // A Bind held for its precheck comes back here whatever its statement has become
+        // meanwhile (a Parse before it that failed made pgfence forget the name).
+        match self.take_hold() {
+            Some(Ok(())) => {}
+            Some(Err(status)) => {
+                self.discard_until_sync = Some(status);
+                return Ok(Flow::Continue);
             }
+            None if non_transactional && self.precheck_possible() => {
+                if let Some(p) = &prepared {
+                    self.tx.add_directives(&p.analysis.directives);
+                }
+                self.inject_check_with_sync(true, AfterCheck::Release);
+                return Ok(self.hold_until_answered());
+            }
+            None => {}
         }
         if prepared
             .as_ref()

@@ -231,6 +231,17 @@ impl Session {
             for skipped in &skipped {
                 self.refused(skipped);
             }
+            if !from_check
+                && self.replies.front().is_some_and(|p| {
+                    p.origin == Origin::Injected(Injected::CheckSync(AfterCheck::Release))
+                })
+            {
+                // A client message sent before a statement pgfence checks first (a Parse of
+                // `VACUUM` under a name in use) failed: PostgreSQL skips the rest of the
+                // batch, that statement included. The held message is dropped, and the
+                // batch after it up to the client's Sync (see `Hold::Failed`).
+                self.check_failed = true;
+            }
             if from_check && matches!(self.commit_check, CommitCheck::Pending { .. }) {
                 self.sync_after_skipped_commit();
             }
