@@ -534,7 +534,9 @@ fn s() -> Vec<u8> {
 /// through (it once waited for them while the server waited for the data). And `LOCK`,
 /// `DECLARE ... CURSOR`, `SET LOCAL`, `DISCARD ALL` and `VACUUM` alone, outside a block or
 /// behind a `BEGIN` in flight: a check appended to them made the Query an implicit block,
-/// where the first three ran (they fail or warn outside one) and the last two failed.
+/// where the first three ran (they fail or warn outside one) and the last two failed. And
+/// a batch whose Parse of `VACUUM` fails (its name is in use): pgfence's check of the
+/// `VACUUM` ended the batch early, and what followed ran.
 fn copy_and_block_steps() -> Vec<Step> {
     use Until::*;
     let copy = |sql: &str, rows: &[&str], end: Vec<u8>| {
@@ -653,6 +655,22 @@ fn copy_and_block_steps() -> Vec<Step> {
                 q("ROLLBACK"),
             ]),
             Ready(6),
+        ),
+        step(
+            "a statement named v",
+            cat(&[wire::parse("v", "SELECT 1", &[]), s()]),
+            Ready(1),
+        ),
+        step(
+            "Parse of VACUUM under a name in use, then more in the batch",
+            cat(&[
+                wire::parse("v", "VACUUM cp", &[]),
+                wire::bind("", "v", &[]),
+                wire::execute("", 0),
+                pbe("INSERT INTO cp VALUES (30)", &[]),
+                s(),
+            ]),
+            Ready(1),
         ),
         step("count", q("SELECT count(*) FROM cp"), Ready(1)),
         step("terminate", wire::terminate(), Closed),

@@ -24,7 +24,9 @@
 //!   `ROLLBACK TO SAVEPOINT s`, `RELEASE s`), writes to `r` (INSERT, UPDATE, DELETE, upsert,
 //!   a data-modifying CTE, a DO block, SELECT ... FOR UPDATE; with fencing comments in token
 //!   sessions), reads, failing statements (division by zero, duplicate key, NOT NULL, an
-//!   unknown table, a syntax error), `SET [LOCAL] fencing.token` / `RESET` in token sessions,
+//!   unknown table, a syntax error), `SET [LOCAL] fencing.token`, `set_config()`, `SET
+//!   [LOCAL] fencing.resource` (a second resource, also named by some comments) and `RESET`
+//!   in token sessions,
 //!   the empty query, and statements pgfence treats apart or that change session state:
 //!   cursors (`DECLARE`, `WITH HOLD`, `FOR UPDATE`, `FETCH`, `MOVE`, `CLOSE`), SQL
 //!   `PREPARE`/`EXECUTE`/`DEALLOCATE`, `DISCARD`, `SET [LOCAL]` of other settings, `RESET
@@ -90,6 +92,8 @@ use rand::{Rng, SeedableRng};
 
 /// The fencing resource of the token sessions.
 const RESOURCE: &str = "rnd";
+/// A second resource, named by some comments and `SET fencing.resource`.
+const RESOURCE_2: &str = "rnd2";
 /// How long a side may take to answer one step.
 const STEP_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -283,10 +287,15 @@ impl Gen {
             return sql;
         }
         let t = self.token;
-        if self.chance(0.7) {
-            format!("/* fencing_token={t} fencing_resource={RESOURCE} */ {sql}")
+        let r = if self.chance(0.8) {
+            RESOURCE
         } else {
-            format!("{sql} /*fencing_resource='{RESOURCE}',fencing_token='{t}'*/")
+            RESOURCE_2
+        };
+        if self.chance(0.7) {
+            format!("/* fencing_token={t} fencing_resource={r} */ {sql}")
+        } else {
+            format!("{sql} /*fencing_resource='{r}',fencing_token='{t}'*/")
         }
     }
 
@@ -361,9 +370,16 @@ impl Gen {
 
     fn token_setting(&mut self) -> String {
         let t = self.token;
-        match self.rng.gen_range(0..3) {
-            0 => format!("SET fencing.token = {t}"),
-            1 => format!("SET LOCAL fencing.token = {t}"),
+        match self.rng.gen_range(0..9) {
+            0 | 1 => format!("SET fencing.token = {t}"),
+            2 => format!("SET LOCAL fencing.token = {t}"),
+            3 => format!(
+                "SELECT set_config('fencing.token', '{t}', {})",
+                self.chance(0.5)
+            ),
+            4 => format!("SET fencing.resource = '{RESOURCE_2}'"),
+            5 => format!("SET LOCAL fencing.resource = '{RESOURCE_2}'"),
+            6 => "RESET fencing.resource".to_string(),
             _ => "RESET fencing.token".to_string(),
         }
     }
