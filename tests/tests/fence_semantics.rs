@@ -20,6 +20,8 @@
 //! - [`non_transactional_statements_are_prechecked`]: VACUUM, CALL (a procedure that
 //!   commits inside) and CREATE INDEX CONCURRENTLY get the check in a transaction of their
 //!   own first: a stale token stops them before they run.
+//! - [`a_transaction_made_read_only_after_it_wrote_does_not_commit_unchecked`]: the check
+//!   cannot run in it (25006), so the writes roll back where PostgreSQL commits them.
 //!
 //! - From drivers' reports: a check statement skipped or dropped, or forgotten after a
 //!   DEALLOCATE, is prepared again; a fast-path rejection in a block shows only its error; a
@@ -1661,4 +1663,38 @@ async fn an_empty_query_stays_empty() {
     conn.send(&wire::query("COMMIT"));
     conn.until_ready();
     assert_eq!(fx.count("empty_q").await, 1);
+}
+
+/// A transaction made read-only after it wrote cannot take the fence's row lock, so
+/// pgfence's check fails (25006) and the writes roll back: never committed unchecked (a
+/// known limitation, README). Both with `SET TRANSACTION READ ONLY` in a block and with
+/// writes followed by `BEGIN READ ONLY` in one Query.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_made_read_only_after_it_wrote_does_not_commit_unchecked() {
+    let fx = Fixture::start("CREATE TABLE ro_after (tag text);", |_| {}).await;
+    let leader = fx.leader("ro_after", 5).await;
+    for (n, script) in [
+        "BEGIN; INSERT INTO ro_after VALUES ('a'); SET TRANSACTION READ ONLY; COMMIT",
+        "INSERT INTO ro_after VALUES ('b'); BEGIN READ ONLY; COMMIT",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let result = leader.simple(script).await;
+        assert_eq!(
+            sqlstate(&result).as_deref(),
+            Some("25006"),
+            "{n} {script}: {result:?}"
+        );
+        leader.simple("ROLLBACK").await.unwrap();
+    }
+    assert_eq!(fx.count("ro_after").await, 0);
+    // Directly, PostgreSQL commits both: the difference is pgfence's.
+    for script in [
+        "BEGIN; INSERT INTO ro_after VALUES ('a'); SET TRANSACTION READ ONLY; COMMIT",
+        "INSERT INTO ro_after VALUES ('b'); BEGIN READ ONLY; COMMIT",
+    ] {
+        fx.direct.batch_execute(script).await.expect(script);
+    }
+    assert_eq!(fx.count("ro_after").await, 2);
 }
