@@ -1698,3 +1698,59 @@ async fn a_transaction_made_read_only_after_it_wrote_does_not_commit_unchecked()
     }
     assert_eq!(fx.count("ro_after").await, 2);
 }
+
+/// A prepared transaction rolled back does not leave the session unable to write: the
+/// check records a per-backend hint (`pgfence.accepted`) as a session setting, which
+/// PostgreSQL keeps at `PREPARE TRANSACTION`; once the prepared transaction was rolled
+/// back, the hint claimed a fence the database did not have, and every later write of the
+/// session with that token failed with 40001 (found by `protocol_random`). pgfence resets
+/// the hint after a prepared transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prepared_transaction_rolled_back_leaves_the_session_writable() {
+    let fx = Fixture::start("CREATE TABLE prep_rb (tag text);", |_| {}).await;
+    for (n, extended) in [false, true].into_iter().enumerate() {
+        let r = format!("prep_rb_{n}");
+        let leader = fx.leader(&r, 7).await;
+        let run = |sql: String| {
+            let leader = &leader;
+            async move {
+                if extended {
+                    leader.extended(&sql).await
+                } else {
+                    leader.simple(&sql).await
+                }
+            }
+        };
+        for round in 0..2 {
+            run("BEGIN".into()).await.unwrap();
+            run(format!(
+                "INSERT INTO prep_rb VALUES ('{r} prepared {round}')"
+            ))
+            .await
+            .unwrap();
+            run(format!("PREPARE TRANSACTION '{r}_{round}'"))
+                .await
+                .unwrap();
+            run(format!("ROLLBACK PREPARED '{r}_{round}'"))
+                .await
+                .unwrap();
+        }
+        assert_eq!(fx.fence(&r).await, None, "{r}: nothing committed yet");
+        run(format!("INSERT INTO prep_rb VALUES ('{r} after')"))
+            .await
+            .unwrap_or_else(|e| panic!("{r}: write after a rolled back PREPARE: {e:?}"));
+        assert_eq!(fx.fence(&r).await, Some(7), "{r}");
+        // And after one committed, the next write takes the hinted path again.
+        run("BEGIN".into()).await.unwrap();
+        run(format!("INSERT INTO prep_rb VALUES ('{r} prepared')"))
+            .await
+            .unwrap();
+        run(format!("PREPARE TRANSACTION '{r}_c'")).await.unwrap();
+        run(format!("COMMIT PREPARED '{r}_c'")).await.unwrap();
+        run(format!("INSERT INTO prep_rb VALUES ('{r} last')"))
+            .await
+            .unwrap();
+    }
+    assert_eq!(fx.count("prep_rb WHERE tag LIKE '%prepared _'").await, 0);
+    assert_eq!(fx.count("prep_rb").await, 6);
+}

@@ -116,6 +116,13 @@ pub struct FenceSettings {
     /// Tokens a check accepted in the transaction still open: they become fences, which
     /// the fast path may act on, only once it commits (see `Session::settle_accepted`).
     pub accepted: Vec<(String, i64)>,
+    /// A transaction whose check accepted a token was prepared (`PREPARE TRANSACTION`). The
+    /// check recorded its per-backend hint `pgfence.accepted` as a session setting, which
+    /// PostgreSQL keeps at `PREPARE TRANSACTION` even if the prepared transaction is rolled
+    /// back later: a hint that claims a fence the database may not have, on which every
+    /// later write with that token fails with 40001. pgfence resets it as soon as the
+    /// session is idle with nothing in flight (see `Session::reset_hint_if_stale`).
+    pub hint_outlives_prepare: bool,
 }
 
 impl FenceSettings {
@@ -169,6 +176,7 @@ impl FenceSettings {
             binds: Default::default(),
             looks_fenced,
             accepted: Vec::new(),
+            hint_outlives_prepare: false,
         }
     }
 

@@ -68,6 +68,9 @@ pub enum Injected {
     /// Ends a transaction block whose COMMIT the server skipped because the check before it
     /// failed (see `CommitCheck`).
     Rollback,
+    /// `RESET pgfence.accepted` after a prepared transaction (see
+    /// `FenceSettings::hint_outlives_prepare`): its replies are pgfence's alone.
+    ResetHint,
 }
 
 /// What to do once a check that ran in its own Sync is answered.

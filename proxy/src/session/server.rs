@@ -62,13 +62,15 @@ impl Session {
                 _ => self.forward_if_client(frame),
             },
             Backend::CommandComplete | Backend::EmptyQueryResponse | Backend::PortalSuspended => {
-                if !self.fence.accepted.is_empty()
-                    && matches!(
-                        msg::command_tag(frame),
-                        b"ROLLBACK" | b"PREPARE TRANSACTION"
-                    )
-                {
-                    self.settle_accepted(false);
+                if !self.fence.accepted.is_empty() {
+                    match msg::command_tag(frame) {
+                        b"ROLLBACK" => self.settle_accepted(false),
+                        b"PREPARE TRANSACTION" => {
+                            self.fence.hint_outlives_prepare = true;
+                            self.settle_accepted(false);
+                        }
+                        _ => {}
+                    }
                 }
                 self.on_statement_done(kind, frame)
             }
@@ -361,6 +363,22 @@ impl Session {
         }
     }
 
+    /// Resets the check's per-backend hint after a prepared transaction (see
+    /// `FenceSettings::hint_outlives_prepare`), once the session is idle with nothing in
+    /// flight: in a transaction of its own, before anything the client sends next.
+    fn reset_hint_if_stale(&mut self, status: u8) {
+        if self.fence.hint_outlives_prepare
+            && status == b'I'
+            && self.replies.is_empty()
+            && self.commit_check == CommitCheck::None
+        {
+            self.fence.hint_outlives_prepare = false;
+            msg::query(&mut self.to_server, b"RESET pgfence.accepted");
+            self.replies
+                .push(Request::Query, Origin::Injected(Injected::ResetHint));
+        }
+    }
+
     fn on_ready(&mut self, frame: &[u8]) {
         let status = msg::ready_status(frame);
         // Pop up to and including the sync point this answers.
@@ -415,6 +433,7 @@ impl Session {
             }
         }
         match answered {
+            Some(Origin::Injected(Injected::ResetHint)) => {}
             Some(Origin::Injected(Injected::CheckSync(AfterCheck::Release))) => {
                 self.hold = if self.check_failed {
                     Hold::Failed(status)
@@ -431,5 +450,6 @@ impl Session {
                 self.to_client.extend_from_slice(frame);
             }
         }
+        self.reset_hint_if_stale(status);
     }
 }
