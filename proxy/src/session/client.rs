@@ -541,7 +541,10 @@ impl Session {
             }
             self.last_sql = Some(Remembered::Prepared(p.clone()));
         }
-        if kind == StatementKind::Discard {
+        if kind == StatementKind::Discard || prepared.is_none() {
+            // A portal pgfence does not know may run `DISCARD ALL` or `DEALLOCATE ALL` (its
+            // statement's Parse was refused, leaving the server's older one): its next
+            // check prepares its statement again rather than bind one that may be gone.
             self.fence.forget_prepared();
         }
         if !self.fence.enabled {
