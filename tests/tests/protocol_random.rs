@@ -75,11 +75,16 @@
 //! last ones were pipelined COMMITs of a block that had failed meanwhile, savepoint
 //! commands pipelined behind a `BEGIN` that never ran, and a syntax error in a Query
 //! pgfence put a check at the start of. On 2026-12-02 the statements and COPY above were
-//! added, and found a Query of `COPY ... FROM STDIN; COMMIT` hanging (pgfence held the copy
-//! data back while it waited for the Query's replies), and `LOCK`, `DECLARE ... CURSOR` and
-//! `SET LOCAL` alone outside a block running (or not warning) because pgfence's check
-//! made the Query an implicit block. README's "Known limitations" lists what pgfence still
-//! answers differently; the sessions this test generates have not produced it.
+//! added, and found: a Query of `COPY ... FROM STDIN; COMMIT` hanging (pgfence held the copy
+//! data back while it waited for the Query's replies); `LOCK`, `DECLARE ... CURSOR`, `SET
+//! LOCAL` and `DISCARD ALL` alone, outside a block or behind a `BEGIN` in flight, doing
+//! something else because pgfence's check made the Query an implicit block, and `VACUUM`
+//! there failing; a batch whose Parse before a prechecked `VACUUM` failed running on after
+//! the precheck's Sync; a session unable to write after a rolled-back prepared transaction
+//! (the check's hint outlived it); pgfence binding its check statement after a `DISCARD
+//! ALL` it could not know of; and a transaction made read-only after it wrote, which
+//! pgfence cannot check (README's "Known limitations"; the generator avoids it). README's
+//! "Known limitations" lists what pgfence still answers differently.
 
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
