@@ -434,14 +434,7 @@ fn sessions(abs_oid: u32) -> Vec<Session> {
         },
         Session {
             name: "latin1",
-            startup: wire::startup_version(
-                wire::PROTOCOL_3_0,
-                &[
-                    ("user", SUPERUSER.as_bytes()),
-                    ("database", APP_DB.as_bytes()),
-                    ("client_encoding", b"LATIN1"),
-                ],
-            ),
+            startup: startup_with(wire::PROTOCOL_3_0, &[("client_encoding", b"LATIN1")]),
             steps: vec![
                 step(
                     "latin1 text",
@@ -470,11 +463,9 @@ fn sessions(abs_oid: u32) -> Vec<Session> {
         },
         Session {
             name: "startup parameters",
-            startup: wire::startup_version(
+            startup: startup_with(
                 wire::PROTOCOL_3_0,
                 &[
-                    ("user", SUPERUSER.as_bytes()),
-                    ("database", APP_DB.as_bytes()),
                     ("application_name", b"differential"),
                     ("options", b"-c search_path=pg_catalog -c DateStyle=SQL,DMY"),
                     ("TimeZone", b"Europe/Paris"),
@@ -491,13 +482,12 @@ fn sessions(abs_oid: u32) -> Vec<Session> {
         },
         Session {
             name: "copy before an inner COMMIT, statements that need a block",
-            startup: wire::startup_version(
+            startup: startup_with(
                 wire::PROTOCOL_3_0,
-                &[
-                    ("user", SUPERUSER.as_bytes()),
-                    ("database", APP_DB.as_bytes()),
-                    ("options", b"-c fencing.resource=differential-copy -c fencing.token=7"),
-                ],
+                &[(
+                    "options",
+                    b"-c fencing.resource=differential-copy -c fencing.token=7",
+                )],
             ),
             steps: copy_and_block_steps(),
         },
@@ -509,14 +499,7 @@ fn sessions(abs_oid: u32) -> Vec<Session> {
         ),
         Session {
             name: "protocol 3.1",
-            startup: wire::startup_version(
-                wire::PROTOCOL_3_0 | 1,
-                &[
-                    ("user", SUPERUSER.as_bytes()),
-                    ("database", APP_DB.as_bytes()),
-                    ("_pq_.no_such_option", b"1"),
-                ],
-            ),
+            startup: startup_with(wire::PROTOCOL_3_0 | 1, &[("_pq_.no_such_option", b"1")]),
             steps: vec![
                 step("query", q("SELECT 'negotiated'"), Ready(1)),
                 step("terminate", wire::terminate(), Closed),
@@ -527,6 +510,17 @@ fn sessions(abs_oid: u32) -> Vec<Session> {
 
 fn s() -> Vec<u8> {
     wire::sync()
+}
+
+/// A startup packet of protocol `version` as the superuser to the app database, with
+/// `extra` parameters.
+fn startup_with(version: u32, extra: &[(&str, &[u8])]) -> Vec<u8> {
+    let mut params: Vec<(&str, &[u8])> = vec![
+        ("user", SUPERUSER.as_bytes()),
+        ("database", APP_DB.as_bytes()),
+    ];
+    params.extend_from_slice(extra);
+    wire::startup_version(version, &params)
 }
 
 /// A Query holding `COPY ... FROM STDIN` before a COMMIT pgfence checks: pgfence waits for
@@ -682,17 +676,15 @@ fn copy_and_block_steps() -> Vec<Step> {
 /// again (it once bound a statement that did not exist: 26000 instead of INSERT).
 fn first_write_fails(name: &'static str, table: &str, options: &'static [u8]) -> Session {
     use Until::*;
-    let mut params: Vec<(&str, &[u8])> = vec![
-        ("user", SUPERUSER.as_bytes()),
-        ("database", APP_DB.as_bytes()),
-    ];
-    if !options.is_empty() {
-        params.push(("options", options));
-    }
+    let extra: &[(&str, &[u8])] = if options.is_empty() {
+        &[]
+    } else {
+        &[("options", options)]
+    };
     let insert = |id: &'static [u8]| pbe(&format!("INSERT INTO {table} VALUES ($1)"), &[Some(id)]);
     Session {
         name,
-        startup: wire::startup_version(wire::PROTOCOL_3_0, &params),
+        startup: startup_with(wire::PROTOCOL_3_0, extra),
         steps: vec![
             step(
                 "table",
