@@ -96,6 +96,32 @@ def roll_back_prepared(gids):
     return left
 
 
+def run_two_phase(eng, scenario, t, res):
+    """Runs `scenario(c, t, res, gids)` on a sync Connection of `eng`, then disposes of it
+    and rolls back (directly) whatever of `gids` it left prepared, which fails the test."""
+    gids = []
+    try:
+        with eng.connect() as c:
+            scenario(c, t, res, gids)
+    finally:
+        eng.dispose()
+        left = roll_back_prepared(gids)
+        assert left == [], f"left prepared (rolled back directly now): {left}"
+
+
+async def run_two_phase_async(eng, scenario, t, res):
+    """`run_two_phase` on an AsyncEngine: AsyncConnection has no begin_twophase(), so the
+    scenario runs with the sync API (`run_sync`), on the asyncpg dialect."""
+    gids = []
+    try:
+        async with eng.connect() as c:
+            await c.run_sync(scenario, t, res, gids)
+    finally:
+        await eng.dispose()
+        left = roll_back_prepared(gids)
+        assert left == [], f"left prepared (rolled back directly now): {left}"
+
+
 def hstore_available():
     """Creates extension hstore (directly) when the server has it, so the psycopg dialect's
     connect-time lookup finds the type; whether it could."""
@@ -431,15 +457,7 @@ def two_phase(c, t, res, gids):
 def test_psycopg_two_phase(dsn):
     t = model("pg_tpc").__tablename__
     res = resource("pg_tpc")
-    eng = engine(dsn, TOKEN_A, res)
-    gids = []
-    try:
-        with eng.connect() as c:
-            two_phase(c, t, res, gids)
-    finally:
-        eng.dispose()
-        left = roll_back_prepared(gids)
-        assert left == [], f"left prepared (rolled back directly now): {left}"
+    run_two_phase(engine(dsn, TOKEN_A, res), two_phase, t, res)
 
 
 def stale_two_phase(c, t, res, gids):
@@ -486,15 +504,7 @@ def test_psycopg_stale_two_phase(dsn):
         c.execute(sa.text(f"INSERT INTO {t} VALUES (1, 'B')"))
     newer.dispose()
     direct_all(f"DELETE FROM {t}")
-    eng = engine(dsn, TOKEN_A, res)
-    gids = []
-    try:
-        with eng.connect() as c:
-            stale_two_phase(c, t, res, gids)
-    finally:
-        eng.dispose()
-        left = roll_back_prepared(gids)
-        assert left == [], f"left prepared (rolled back directly now): {left}"
+    run_two_phase(engine(dsn, TOKEN_A, res), stale_two_phase, t, res)
 
 
 @bounded
@@ -697,16 +707,7 @@ async def test_asyncpg_pool_reuse(dsn):
 async def test_asyncpg_two_phase(dsn):
     t = model("apg_tpc").__tablename__
     res = resource("apg_tpc")
-    eng = async_engine(dsn, TOKEN_A, res)
-    gids = []
-    try:
-        # AsyncConnection has no begin_twophase(): the sync API, on the asyncpg dialect.
-        async with eng.connect() as c:
-            await c.run_sync(two_phase, t, res, gids)
-    finally:
-        await eng.dispose()
-        left = roll_back_prepared(gids)
-        assert left == [], f"left prepared (rolled back directly now): {left}"
+    await run_two_phase_async(async_engine(dsn, TOKEN_A, res), two_phase, t, res)
 
 
 @aio
@@ -718,15 +719,7 @@ async def test_asyncpg_stale_two_phase(dsn):
         await c.execute(sa.text(f"INSERT INTO {t} VALUES (1, 'B')"))
     await newer.dispose()
     direct_all(f"DELETE FROM {t}")
-    eng = async_engine(dsn, TOKEN_A, res)
-    gids = []
-    try:
-        async with eng.connect() as c:
-            await c.run_sync(stale_two_phase, t, res, gids)
-    finally:
-        await eng.dispose()
-        left = roll_back_prepared(gids)
-        assert left == [], f"left prepared (rolled back directly now): {left}"
+    await run_two_phase_async(async_engine(dsn, TOKEN_A, res), stale_two_phase, t, res)
 
 
 @aio
