@@ -481,8 +481,14 @@ impl Session {
             matches!(&*p.analysis.statements, [only] if only.kind == StatementKind::NonTransactional)
         });
         // A Bind held for its precheck comes back here whatever its statement has become
-        // meanwhile (a Parse before it that failed made pgfence forget the name).
-        match self.take_hold() {
+        // meanwhile (a Parse before it that failed made pgfence forget the name). Nothing is
+        // held for almost every Bind: no write to the hold then.
+        let held = if self.hold == Hold::None {
+            None
+        } else {
+            self.take_hold()
+        };
+        match held {
             Some(Ok(())) => {}
             Some(Err(status)) => {
                 self.discard_until_sync = Some(status);
