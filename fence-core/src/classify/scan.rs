@@ -360,9 +360,15 @@ impl<'a> Scan<'a> {
         if self.n_tokens == 1 || (self.n_tokens == 2 && self.word_is(0, "prepare")) {
             return;
         }
-        // Outside its query, `COPY` has parentheses only around columns and options.
-        if self.depth == 0 && self.word_is(0, "copy") {
-            return;
+        // Outside its query, `COPY` has parentheses only around columns and options, and
+        // inside its options only around column lists (`FORCE_QUOTE (a)`). Its query is
+        // the group at its second word; while inside it, the words are `COPY (`.
+        if self.word_is(0, "copy") {
+            let in_query =
+                self.depth > 0 && self.n_words == 2 && self.words[1].kind == TokKind::LParen;
+            if !in_query {
+                return;
+            }
         }
         let call = match name.kind {
             TokKind::Ident => self.ident_call(name),

@@ -330,7 +330,27 @@ fn other_read_only_statements() {
             "COPY (SELECT * FROM t WHERE b IN (1, 2)) TO STDOUT",
             ReadOnly,
         ),
+        (
+            "COPY (SELECT a FROM t) TO STDOUT WITH (FORMAT csv, FORCE_QUOTE (a))",
+            ReadOnly,
+        ),
+        (
+            "COPY t TO STDOUT (FORMAT csv, FORCE_QUOTE (a, b))",
+            ReadOnly,
+        ),
+        (
+            "COPY (SELECT * FROM t WHERE b IN (1, (SELECT max(c) FROM u))) TO STDOUT",
+            ReadOnly,
+        ),
         ("COPY (SELECT f(a) FROM t) TO STDOUT", MayWrite),
+        (
+            "COPY (SELECT * FROM t WHERE b IN (1, (SELECT f(c) FROM u))) TO STDOUT",
+            MayWrite,
+        ),
+        (
+            "COPY (SELECT f(a) FROM t) TO STDOUT (FORCE_QUOTE (a))",
+            MayWrite,
+        ),
         ("COPY (SELECT * FROM t FOR SHARE) TO STDOUT", MayWrite),
         ("COPY (DELETE FROM t RETURNING *) TO STDOUT", MayWrite),
         (
