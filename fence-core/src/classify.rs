@@ -37,9 +37,9 @@
 //!   `ReadOnly` by the rules above (parentheses outside the query hold columns or options,
 //!   never calls).
 //!
-//! `EXECUTE`, `FETCH` and `MOVE` run a query classified elsewhere and are `MayWrite`, as
-//! are `NOTIFY`, `COPY ... FROM`, `COPY ... TO` a file or program, `LOCK`, `ANALYZE` and
-//! everything not listed.
+//! `FETCH` and `MOVE` run a query classified elsewhere and are `MayWrite`, as are `NOTIFY`, `COPY ... FROM`, `COPY ... TO` a file or program, `LOCK`, `ANALYZE` and
+//! everything not listed. `EXECUTE` is [`StatementKind::Execute`]: the statement it runs
+//! may be transaction control.
 //!
 //! Known limitations, inherent in classifying text (the proxy's switch that turns
 //! read-skipping off covers them): the text does not show that a view, a row-level security
@@ -97,19 +97,27 @@ pub enum StatementKind {
     /// proxy must prepare its own again. (`DISCARD ALL` also cannot run in a transaction
     /// block; its only writes are to the session's temporary objects.)
     Discard,
+    /// `EXECUTE name`: runs a prepared statement its text does not show, which may be
+    /// anything. One prepared through the extended protocol may be transaction control
+    /// (`EXECUTE c` of a `COMMIT` commits), so it may write and may end the transaction,
+    /// and a check goes before it as before a `COMMIT`. The proxy gives this kind to an
+    /// extended-protocol Execute of a portal it does not know, too.
+    Execute,
 }
 
 impl StatementKind {
-    /// Whether the statement may write to the database: `MayWrite` or `NonTransactional`.
+    /// Whether the statement may write to the database: `MayWrite`, `NonTransactional` or
+    /// `Execute`.
     pub fn may_write(self) -> bool {
         matches!(
             self,
-            StatementKind::MayWrite | StatementKind::NonTransactional
+            StatementKind::MayWrite | StatementKind::NonTransactional | StatementKind::Execute
         )
     }
 
-    /// Whether the statement starts, ends or nests a transaction: `Begin`, `Commit`,
-    /// `Rollback`, `RollbackToSavepoint`, `Savepoint`, `PrepareTransaction`.
+    /// Whether the statement starts, ends or nests a transaction, or may: `Begin`,
+    /// `Commit`, `Rollback`, `RollbackToSavepoint`, `Savepoint`, `PrepareTransaction`,
+    /// `Execute`.
     pub fn is_tx_control(self) -> bool {
         matches!(
             self,
@@ -119,6 +127,7 @@ impl StatementKind {
                 | StatementKind::RollbackToSavepoint
                 | StatementKind::Savepoint
                 | StatementKind::PrepareTransaction
+                | StatementKind::Execute
         )
     }
 

@@ -95,6 +95,25 @@ impl Fixture {
         conn
     }
 
+    /// A fixture with `table (tag text)`, to which a leader with token 34 of resource
+    /// `table` has written through the proxy, and the startup options of a stale session
+    /// (token 33 of that resource).
+    async fn after_leader_34(
+        table: &str,
+        configure: impl FnOnce(&mut Config),
+    ) -> (Fixture, String) {
+        let fx = Fixture::start(&format!("CREATE TABLE {table} (tag text);"), configure).await;
+        fx.leader(table, 34)
+            .await
+            .simple(&format!("INSERT INTO {table} VALUES ('leader 34')"))
+            .await
+            .unwrap();
+        (
+            fx,
+            format!("-c fencing.token=33 -c fencing.resource={table}"),
+        )
+    }
+
     /// A session as `postgres` with `fencing.token` and `fencing.resource` from startup.
     async fn leader(&self, resource: &str, token: i64) -> Session {
         self.session(
@@ -1303,6 +1322,26 @@ async fn a_fast_rejection_in_a_block_shows_only_the_error() {
     assert_eq!(fx.count("fastblock WHERE tag LIKE 'stale%'").await, 0);
 }
 
+/// Bind of the prepared statement `name` to the unnamed portal, Execute, Sync.
+fn run_statement(name: &str) -> Vec<u8> {
+    [
+        wire::bind("", name, &[]),
+        wire::execute("", 0),
+        wire::sync(),
+    ]
+    .concat()
+}
+
+/// Reads up to a ReadyForQuery, which must come after a stale-token rejection.
+fn expect_raw_rejection(conn: &mut RawConn, context: &str) {
+    let replies = conn.until_ready();
+    let error = replies
+        .iter()
+        .find(|m| m.tag == b'E')
+        .unwrap_or_else(|| panic!("{context}: no error in {replies:?}"));
+    wire::assert_error(error, "ERROR", "FN001");
+}
+
 /// A client's Parse that the server refuses (the name exists: 42P05) or skips (an error
 /// earlier in the batch) leaves the server's statement as it was: pgfence must not take the
 /// new text for it. A stale session once wrote by parsing `SELECT 1` over its prepared
@@ -1310,27 +1349,12 @@ async fn a_fast_rejection_in_a_block_shows_only_the_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_or_skipped_parse_does_not_change_what_pgfence_thinks_a_name_runs() {
     for fast_path in [true, false] {
-        let fx = Fixture::start("CREATE TABLE renamed (tag text);", |c| {
+        let (fx, options) = Fixture::after_leader_34("renamed", |c| {
             c.fence.fast_path = fast_path;
         })
         .await;
-        let r = "renamed";
-        fx.leader(r, 34)
-            .await
-            .simple("INSERT INTO renamed VALUES ('leader 34')")
-            .await
-            .unwrap();
-        let options = format!("-c fencing.token=33 -c fencing.resource={r}");
         let mut stale = fx.raw_session(&options);
         let insert = "INSERT INTO renamed VALUES ('stale 33')";
-        let run = |name: &str| {
-            [
-                wire::bind("", name, &[]),
-                wire::execute("", 0),
-                wire::sync(),
-            ]
-            .concat()
-        };
         // Refused: the name exists.
         stale.send(&[wire::parse("s1", insert, &[]), wire::sync()].concat());
         stale.until_ready();
@@ -1354,14 +1378,8 @@ async fn a_refused_or_skipped_parse_does_not_change_what_pgfence_thinks_a_name_r
         let replies = stale.until_ready();
         wire::assert_error(&replies[replies.len() - 2], "ERROR", "22012");
         for name in ["s1", "s2"] {
-            stale.send(&run(name));
-            let replies = stale.until_ready();
-            let context = format!("fast_path = {fast_path}, {name}: {replies:?}");
-            let error = replies
-                .iter()
-                .find(|m| m.tag == b'E')
-                .unwrap_or_else(|| panic!("no error: {context}"));
-            wire::assert_error(error, "ERROR", "FN001");
+            stale.send(&run_statement(name));
+            expect_raw_rejection(&mut stale, &format!("fast_path = {fast_path}, {name}"));
         }
         assert_eq!(
             fx.count("renamed WHERE tag = 'stale 33'").await,
@@ -1369,6 +1387,98 @@ async fn a_refused_or_skipped_parse_does_not_change_what_pgfence_thinks_a_name_r
             "fast_path = {fast_path}"
         );
     }
+}
+
+/// A statement pgfence cannot see runs anything, a `COMMIT` included: the server's
+/// statement of a name whose Parse was refused (42P05 keeps the old one), SQL `EXECUTE` of
+/// a statement parsed as `COMMIT` (it commits), or a statement prepared in SQL under a name
+/// pgfence had seen parsed before a `DEALLOCATE` or `DISCARD ALL`. A stale session once
+/// committed its block unchecked with the first two (pgfence took them for a write inside
+/// the block), and wrote unchecked with the third (pgfence took the `INSERT` prepared in SQL
+/// for the `SELECT` it had seen parsed under that name).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_pgfence_cannot_know_is_checked_as_if_it_committed() {
+    let (fx, options) = Fixture::after_leader_34("unknown_names", |c| {
+        // The fast path would reject the stale writes before the server ran them.
+        c.fence.fast_path = false;
+    })
+    .await;
+    let insert = |tag: &str| format!("INSERT INTO unknown_names VALUES ('stale {tag}')");
+
+    // The COMMIT behind a refused Parse, with the block's write before it.
+    let mut stale = fx.raw_session(&options);
+    stale.send(&[wire::parse("c", "COMMIT", &[]), wire::sync()].concat());
+    stale.until_ready();
+    stale.send(&[wire::parse("c", "SELECT 1", &[]), wire::sync()].concat());
+    wire::assert_error(&stale.until_ready()[0], "ERROR", "42P05");
+    stale.send(&wire::query(format!("BEGIN; {}", insert("commit"))));
+    assert_eq!(
+        stale.until_ready().last().unwrap().ready_status(),
+        Some(b'T')
+    );
+    stale.send(&run_statement("c"));
+    expect_raw_rejection(&mut stale, "COMMIT behind a refused Parse");
+    stale.send(&wire::query("ROLLBACK"));
+    stale.until_ready();
+
+    // The same COMMIT run by SQL `EXECUTE`, in a simple Query and parsed.
+    for extended in [false, true] {
+        let mut stale = fx.raw_session(&options);
+        stale.send(&[wire::parse("c", "COMMIT", &[]), wire::sync()].concat());
+        stale.until_ready();
+        stale.send(&wire::query(format!("BEGIN; {}", insert("execute"))));
+        stale.until_ready();
+        if extended {
+            stale.send(
+                &[
+                    wire::parse("", "EXECUTE c", &[]),
+                    wire::bind("", "", &[]),
+                    wire::execute("", 0),
+                    wire::sync(),
+                ]
+                .concat(),
+            );
+        } else {
+            stale.send(&wire::query("EXECUTE c"));
+        }
+        expect_raw_rejection(&mut stale, &format!("EXECUTE c, extended {extended}"));
+        stale.send(&wire::query("ROLLBACK"));
+        stale.until_ready();
+    }
+
+    // An INSERT prepared in SQL where pgfence had seen a SELECT parsed.
+    for (forget, tag) in [("DEALLOCATE r", "deallocate"), ("DISCARD ALL", "discard")] {
+        let mut stale = fx.raw_session(&options);
+        stale.send(&[wire::parse("r", "SELECT 1", &[]), wire::sync()].concat());
+        stale.until_ready();
+        stale.send(&wire::query(forget));
+        stale.until_ready();
+        stale.send(&wire::query(format!("PREPARE r AS {}", insert(tag))));
+        stale.until_ready();
+        stale.send(&run_statement("r"));
+        expect_raw_rejection(&mut stale, forget);
+        // The same through the extended protocol: the SQL itself parsed and executed.
+        stale.send(&[wire::parse("r2", "SELECT 1", &[]), wire::sync()].concat());
+        stale.until_ready();
+        for sql in [
+            forget.replace(" r", " r2"),
+            format!("PREPARE r2 AS {}", insert(tag)),
+        ] {
+            stale.send(
+                &[
+                    wire::parse("", &sql, &[]),
+                    wire::bind("", "", &[]),
+                    wire::execute("", 0),
+                    wire::sync(),
+                ]
+                .concat(),
+            );
+            stale.until_ready();
+        }
+        stale.send(&run_statement("r2"));
+        expect_raw_rejection(&mut stale, &format!("{forget}, extended"));
+    }
+    assert_eq!(fx.count("unknown_names WHERE tag LIKE 'stale%'").await, 0);
 }
 
 /// `COMMIT PREPARED` and `ROLLBACK PREPARED` finish a transaction checked at its `PREPARE

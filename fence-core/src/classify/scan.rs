@@ -570,6 +570,7 @@ impl<'a> Scan<'a> {
             // COMMITs inside fails ("invalid transaction termination") instead of committing
             // unfenced writes, so its writes are fenced atomically.
             b"vacuum" | b"call" => NonTransactional,
+            b"execute" => Execute,
             b"create" | b"drop" => self.create_or_drop(),
             b"alter" => self.alter(),
             b"reindex" => self.reindex(),
@@ -755,6 +756,7 @@ fn head_decides(w: &[u8]) -> bool {
             | b"release"
             | b"discard"
             | b"deallocate"
+            | b"execute"
             | b"vacuum"
             | b"call"
             | b"create"

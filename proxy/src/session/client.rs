@@ -43,6 +43,71 @@ fn is_copy_from_stdin(sql: &[u8], options: LexOptions) -> bool {
     false
 }
 
+/// The prepared statement a SQL `PREPARE name AS ...` replaces.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum PreparedInSql {
+    /// Not a `PREPARE` (or `PREPARE TRANSACTION`).
+    No,
+    Name(Box<[u8]>),
+    /// A name pgfence does not spell as the server would (`U&"..."`, too long to compare,
+    /// bytes the server may fold): any name.
+    Unknown,
+}
+
+/// The name `sql`, one statement, prepares in SQL. The proxy forgets what it knew of that
+/// name: the server's statement of it is now the one prepared in SQL, or after a `PREPARE`
+/// that failed (the name in use) the one it had. (A statement that `DEALLOCATE` or
+/// `DISCARD ALL` drops changes nothing pgfence relies on: a name it still knows is only
+/// ever run again after a `PREPARE`, or after a Parse it sees.)
+pub(super) fn prepared_in_sql(sql: &[u8], options: LexOptions) -> PreparedInSql {
+    // On every statement of every Query: most start with another letter.
+    if !matches!(sql.first(), Some(b'p' | b'P' | b'/' | b'-')) {
+        return PreparedInSql::No;
+    }
+    let mut tokens = Lexer::with_options(sql, options)
+        .filter(|t| !matches!(t.kind, TokKind::Comment { .. }))
+        .take_while(|t| t.kind != TokKind::Semicolon);
+    let word = |t: Option<fence_core::lexer::Tok>, keyword: &str| {
+        t.is_some_and(|t| t.kind == TokKind::Ident && is_keyword(t.text(sql), keyword))
+    };
+    if !word(tokens.next(), "prepare") {
+        return PreparedInSql::No;
+    }
+    let Some(name) = tokens.next() else {
+        return PreparedInSql::No; // a syntax error
+    };
+    // `PREPARE TRANSACTION 'gid'`; a statement may be named `transaction`.
+    if word(Some(name), "transaction") && tokens.next().is_some_and(|t| t.kind == TokKind::String) {
+        return PreparedInSql::No;
+    }
+    let text = name.text(sql);
+    let spelled: Option<Vec<u8>> = match name.kind {
+        // Folded to lower case; PostgreSQL may fold bytes >= 0x80 too, in single-byte
+        // encodings.
+        TokKind::Ident if text.is_ascii() => Some(text.to_ascii_lowercase()),
+        TokKind::QuotedIdent => text
+            .strip_prefix(b"\"")
+            .and_then(|t| t.strip_suffix(b"\""))
+            .map(|inner| {
+                let mut unquoted = Vec::with_capacity(inner.len());
+                let mut doubled = false;
+                for &b in inner {
+                    doubled = b == b'"' && !doubled;
+                    if !doubled {
+                        unquoted.push(b);
+                    }
+                }
+                unquoted
+            }),
+        _ => None,
+    };
+    // PostgreSQL compares names by their first NAMEDATALEN - 1 (63) bytes.
+    match spelled {
+        Some(n) if !n.is_empty() && n.len() < 63 => PreparedInSql::Name(n.into()),
+        _ => PreparedInSql::Unknown,
+    }
+}
+
 impl Session {
     pub(super) fn on_client_frame(&mut self, tag: u8, frame: &[u8]) -> Result<Flow, SessionError> {
         let Some(kind) = Frontend::from_tag(tag) else {
@@ -151,9 +216,22 @@ impl Session {
         Arc::new(Prepared {
             sql: sql.into(),
             copy_in: is_copy_from_stdin(sql, self.lex),
+            prepares: prepared_in_sql(sql, self.lex),
             tx_control: analysis.tx_control(),
             analysis,
         })
+    }
+
+    /// A SQL `PREPARE` of this name went upstream (see [`prepared_in_sql`]): pgfence no
+    /// longer knows what the name runs.
+    fn forget_prepared_in_sql(&mut self, prepared: &PreparedInSql) {
+        match prepared {
+            PreparedInSql::No => {}
+            PreparedInSql::Name(name) => {
+                self.statements.remove(name);
+            }
+            PreparedInSql::Unknown => self.statements.clear(),
+        }
     }
 
     fn analyze(&mut self, sql: &[u8]) -> Analysis {
@@ -220,6 +298,9 @@ impl Session {
             .any(|s| s.kind == StatementKind::Discard)
         {
             self.fence.forget_prepared();
+        }
+        for statement in analysis.statements.iter() {
+            self.forget_prepared_in_sql(&prepared_in_sql(statement.text(sql), self.lex));
         }
         if !self.fence.enabled {
             if analysis.tx_control() {
@@ -524,28 +605,37 @@ impl Session {
         let portal =
             msg::execute_portal(frame).ok_or(SessionError::MalformedClientMessage("Execute"))?;
         let prepared = self.portal(portal);
-        if prepared
-            .as_ref()
-            .is_some_and(|p| p.tx_control && self.waits_for_replies(&p.analysis))
-        {
+        // A portal pgfence did not see bound may run anything, a COMMIT included: the
+        // server's statement of a name whose Parse it refused, or one prepared in SQL.
+        let kind = match &prepared {
+            Some(p) => p
+                .analysis
+                .statements
+                .first()
+                .map_or(StatementKind::Empty, |s| s.kind),
+            None => StatementKind::Execute,
+        };
+        let waits = match &prepared {
+            Some(p) => p.tx_control && self.waits_for_replies(&p.analysis),
+            None => {
+                self.fence.enabled
+                    && self.replies.ends_at_sync_point()
+                    && self.tx.placement_depends_on_replies(kind)
+            }
+        };
+        if waits {
             return Ok(self.hold_until_answered());
         }
         self.shared.stats.queries.add();
         self.tx.batch_has_execute = true;
-        // A portal pgfence did not see bound is treated as one that may write.
-        let kind = prepared
-            .as_ref()
-            .and_then(|p| p.analysis.statements.first().map(|s| s.kind))
-            .unwrap_or(if prepared.is_some() {
-                StatementKind::Empty
-            } else {
-                StatementKind::MayWrite
-            });
         if let Some(p) = &prepared {
             if p.analysis.may_write() {
                 self.last_write = Some(Remembered::Prepared(p.clone()));
             }
             self.last_sql = Some(Remembered::Prepared(p.clone()));
+        }
+        if let Some(p) = &prepared {
+            self.forget_prepared_in_sql(&p.prepares);
         }
         if kind == StatementKind::Discard || prepared.is_none() {
             // A portal pgfence does not know may run `DISCARD ALL` or `DEALLOCATE ALL` (its
@@ -560,6 +650,7 @@ impl Session {
                     | StatementKind::Commit
                     | StatementKind::Rollback
                     | StatementKind::PrepareTransaction
+                    | StatementKind::Execute
             ) {
                 self.tx.view = View::Unknown;
             }
@@ -581,9 +672,14 @@ impl Session {
         }
         if matches!(
             kind,
-            StatementKind::Commit | StatementKind::PrepareTransaction
+            StatementKind::Commit | StatementKind::PrepareTransaction | StatementKind::Execute
         ) && self.tx.commit_needs_check()
         {
+            if kind == StatementKind::Execute {
+                // The transaction may go on after it: the check closes its portal, so that
+                // the next check can bind it again.
+                self.tx.view = View::Unknown;
+            }
             self.inject_check(false);
             self.commit_check = CommitCheck::Sent {
                 found_failed: false,
@@ -623,7 +719,42 @@ impl Session {
 
 #[cfg(test)]
 mod tests {
-    use super::is_copy_from_stdin;
+    use super::{is_copy_from_stdin, prepared_in_sql, PreparedInSql};
+
+    #[test]
+    fn names_prepared_in_sql_are_spelled_as_the_server_does() {
+        let prepares = |sql: &str| prepared_in_sql(sql.as_bytes(), Default::default());
+        let name = |n: &str| PreparedInSql::Name(n.as_bytes().into());
+        assert_eq!(prepares("PREPARE q AS SELECT 1"), name("q"));
+        assert_eq!(
+            prepares("prepare Ins (int) AS INSERT INTO t VALUES ($1)"),
+            name("ins")
+        );
+        assert_eq!(prepares("/* c */ PREPARE \"Ins\" AS SELECT 1"), name("Ins"));
+        assert_eq!(
+            prepares("-- c\nPREPARE \"a\"\"b\" AS SELECT 1"),
+            name("a\"b")
+        );
+        assert_eq!(
+            prepares("PREPARE transaction AS SELECT 1"),
+            name("transaction")
+        );
+        assert_eq!(prepares("PREPARE TRANSACTION 'g1'"), PreparedInSql::No);
+        assert_eq!(
+            prepares("PREPARE U&\"q\" AS SELECT 1"),
+            PreparedInSql::Unknown
+        );
+        let long = format!("PREPARE {} AS SELECT 1", "q".repeat(63));
+        assert_eq!(prepares(&long), PreparedInSql::Unknown);
+        assert_eq!(prepares("PREPARE \"q"), PreparedInSql::Unknown);
+        assert_eq!(prepares("PREPARE"), PreparedInSql::No);
+        assert_eq!(prepares("EXECUTE q"), PreparedInSql::No);
+        assert_eq!(prepares("DEALLOCATE q"), PreparedInSql::No);
+        assert_eq!(
+            prepares("SELECT 'PREPARE q AS SELECT 1'"),
+            PreparedInSql::No
+        );
+    }
 
     #[test]
     fn copy_from_stdin_is_recognised() {

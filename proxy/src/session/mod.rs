@@ -61,6 +61,8 @@ pub(crate) struct Prepared {
     pub analysis: Analysis,
     /// `COPY ... FROM STDIN`: executing it puts the server in copy-in mode.
     pub copy_in: bool,
+    /// It is a SQL `PREPARE`: executing it replaces a prepared statement.
+    pub prepares: client::PreparedInSql,
     /// It runs transaction control (`Analysis::tx_control`): only then may its Parse, Bind
     /// or Execute wait for the replies in flight (see `Session::waits_for_replies`).
     pub tx_control: bool,

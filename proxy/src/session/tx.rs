@@ -76,6 +76,12 @@ impl TxState {
             // change how it fails.
             StatementKind::RollbackToSavepoint => self.dirty |= self.view != View::Idle,
             StatementKind::MayWrite | StatementKind::NonTransactional => self.dirty = true,
+            // Anything, a COMMIT included (its check went before it): what follows may be in
+            // the same transaction, a new one or none.
+            StatementKind::Execute => {
+                self.dirty = true;
+                self.view = View::Unknown;
+            }
             StatementKind::ReadOnly => self.dirty |= self.check_reads,
             // `DISCARD ALL` cannot run in a block, so nothing may be appended to it; it writes
             // nothing a fence protects.
@@ -117,7 +123,7 @@ impl TxState {
     /// in an implicit block of several statements rather than alone).
     pub fn placement_depends_on_replies(&self, kind: StatementKind) -> bool {
         match kind {
-            StatementKind::Commit | StatementKind::PrepareTransaction => {
+            StatementKind::Commit | StatementKind::PrepareTransaction | StatementKind::Execute => {
                 self.dirty && matches!(self.view, View::InBlock | View::Unknown)
             }
             StatementKind::RollbackToSavepoint => self.view == View::Unknown,
@@ -187,6 +193,17 @@ impl TxState {
                     }
                     self.dirty = false;
                     in_block = Some(false);
+                    failed = false;
+                    control = true;
+                }
+                StatementKind::Execute => {
+                    // It may be a COMMIT: checked before it as one. It may also have
+                    // written, opened a block or ended one.
+                    if self.dirty && !failed {
+                        plan.before.push((st.start, i));
+                    }
+                    self.dirty = true;
+                    in_block = None;
                     failed = false;
                     control = true;
                 }
