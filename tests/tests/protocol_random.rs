@@ -99,8 +99,11 @@ use rand::{Rng, SeedableRng};
 /// Seeds beyond the default range whose sessions found a difference, run by default too
 /// (with this generator): 1094 and 1242, a failing Parse before a `VACUUM` pgfence checks
 /// first; 2341, a prepared transaction rolled back whose check's hint outlived it; 2509
-/// and 2860, an Execute of `DISCARD ALL` under a name pgfence had forgotten.
-const REGRESSION_SEEDS: &[u64] = &[1094, 1242, 2341, 2509, 2860];
+/// and 2860, an Execute of `DISCARD ALL` under a name pgfence had forgotten; 5146, 5322
+/// and 5480, transaction control run under a name pgfence had forgotten (its check's
+/// portal outlived the check, and the next check could not bind it); 5625, a `DEALLOCATE
+/// ALL` behind a check whose statement was being prepared.
+const REGRESSION_SEEDS: &[u64] = &[1094, 1242, 2341, 2509, 2860, 5146, 5322, 5480, 5625];
 
 /// The fencing resource of the token sessions.
 const RESOURCE: &str = "rnd";

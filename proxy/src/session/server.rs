@@ -72,6 +72,15 @@ impl Session {
                         _ => {}
                     }
                 }
+                if frame.get(5) == Some(&b'D') {
+                    let tag = msg::command_tag(frame);
+                    if tag.starts_with(b"DEALLOCATE") || tag == b"DISCARD ALL" {
+                        // Forgotten when it went upstream too, so that no check after it
+                        // binds a statement it drops. Now again: a Parse of pgfence's sent
+                        // before it, answered since, no longer stands either.
+                        self.fence.forget_prepared();
+                    }
+                }
                 self.on_statement_done(kind, frame)
             }
             Backend::ErrorResponse => self.on_error(frame),
