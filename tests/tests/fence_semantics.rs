@@ -1389,13 +1389,14 @@ async fn a_refused_or_skipped_parse_does_not_change_what_pgfence_thinks_a_name_r
     }
 }
 
-/// A statement pgfence cannot see runs anything, a `COMMIT` included: the server's
-/// statement of a name whose Parse was refused (42P05 keeps the old one), SQL `EXECUTE` of
-/// a statement parsed as `COMMIT` (it commits), or a statement prepared in SQL under a name
-/// pgfence had seen parsed before a `DEALLOCATE` or `DISCARD ALL`. A stale session once
-/// committed its block unchecked with the first two (pgfence took them for a write inside
-/// the block), and wrote unchecked with the third (pgfence took the `INSERT` prepared in SQL
-/// for the `SELECT` it had seen parsed under that name).
+/// A statement pgfence cannot see runs anything, a `COMMIT` included: SQL `EXECUTE` of a
+/// statement parsed as `COMMIT` (it commits), the server's statement of a name whose SQL
+/// `PREPARE` failed or succeeded (pgfence cannot tell which), or its statement of a name
+/// whose Parse it refused (42P05 keeps the old one: pgfence puts back what it knew). A stale
+/// session once committed its block unchecked with `EXECUTE` and after a refused Parse
+/// (pgfence took them for a write inside the block), and wrote unchecked with an `INSERT`
+/// prepared in SQL, after a `DEALLOCATE` or `DISCARD ALL`, under the name of a `SELECT` it
+/// had seen parsed (pgfence took it for that `SELECT`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_statement_pgfence_cannot_know_is_checked_as_if_it_committed() {
     let (fx, options) = Fixture::after_leader_34("unknown_names", |c| {
@@ -1405,21 +1406,30 @@ async fn a_statement_pgfence_cannot_know_is_checked_as_if_it_committed() {
     .await;
     let insert = |tag: &str| format!("INSERT INTO unknown_names VALUES ('stale {tag}')");
 
-    // The COMMIT behind a refused Parse, with the block's write before it.
-    let mut stale = fx.raw_session(&options);
-    stale.send(&[wire::parse("c", "COMMIT", &[]), wire::sync()].concat());
-    stale.until_ready();
-    stale.send(&[wire::parse("c", "SELECT 1", &[]), wire::sync()].concat());
-    wire::assert_error(&stale.until_ready()[0], "ERROR", "42P05");
-    stale.send(&wire::query(format!("BEGIN; {}", insert("commit"))));
-    assert_eq!(
-        stale.until_ready().last().unwrap().ready_status(),
-        Some(b'T')
-    );
-    stale.send(&run_statement("c"));
-    expect_raw_rejection(&mut stale, "COMMIT behind a refused Parse");
-    stale.send(&wire::query("ROLLBACK"));
-    stale.until_ready();
+    // The COMMIT behind a refused Parse, or a PREPARE in SQL that failed, with the block's
+    // write before it.
+    for (refused, tag) in [
+        (
+            [wire::parse("c", "SELECT 1", &[]), wire::sync()].concat(),
+            "parse",
+        ),
+        (wire::query("PREPARE c AS SELECT 1"), "prepare"),
+    ] {
+        let mut stale = fx.raw_session(&options);
+        stale.send(&[wire::parse("c", "COMMIT", &[]), wire::sync()].concat());
+        stale.until_ready();
+        stale.send(&refused);
+        wire::assert_error(&stale.until_ready()[0], "ERROR", "42P05");
+        stale.send(&wire::query(format!("BEGIN; {}", insert(tag))));
+        assert_eq!(
+            stale.until_ready().last().unwrap().ready_status(),
+            Some(b'T')
+        );
+        stale.send(&run_statement("c"));
+        expect_raw_rejection(&mut stale, &format!("COMMIT behind a refused {tag}"));
+        stale.send(&wire::query("ROLLBACK"));
+        stale.until_ready();
+    }
 
     // The same COMMIT run by SQL `EXECUTE`, in a simple Query and parsed.
     for extended in [false, true] {
@@ -1479,6 +1489,83 @@ async fn a_statement_pgfence_cannot_know_is_checked_as_if_it_committed() {
         expect_raw_rejection(&mut stale, &format!("{forget}, extended"));
     }
     assert_eq!(fx.count("unknown_names WHERE tag LIKE 'stale%'").await, 0);
+}
+
+/// `ROLLBACK TO SAVEPOINT` in a failed block revives it, with what it wrote before the
+/// savepoint: a `COMMIT` after it commits that, so it is checked. A stale session once
+/// committed such a block unchecked by sending both in one extended-protocol batch: pgfence
+/// still took the block for failed, whose COMMIT only rolls back. Also with the `ROLLBACK
+/// TO` under a name whose later Parse the server refused, in a simple Query, and synced
+/// apart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_block_revived_by_rollback_to_savepoint_is_checked_at_commit() {
+    let (fx, options) = Fixture::after_leader_34("revived", |c| {
+        c.fence.fast_path = false;
+    })
+    .await;
+    let pbe = |sql: &str| {
+        [
+            wire::parse("", sql, &[]),
+            wire::bind("", "", &[]),
+            wire::execute("", 0),
+        ]
+        .concat()
+    };
+    let rollback_to_then_commit: [(&str, Vec<u8>); 4] = [
+        (
+            "one batch",
+            [pbe("ROLLBACK TO SAVEPOINT s"), pbe("COMMIT"), wire::sync()].concat(),
+        ),
+        (
+            "a name parsed again, refused",
+            [
+                wire::bind("", "rb", &[]),
+                wire::execute("", 0),
+                pbe("COMMIT"),
+                wire::sync(),
+            ]
+            .concat(),
+        ),
+        (
+            "a simple Query",
+            wire::query("ROLLBACK TO SAVEPOINT s; COMMIT"),
+        ),
+        (
+            "synced apart",
+            [
+                pbe("ROLLBACK TO SAVEPOINT s"),
+                wire::sync(),
+                pbe("COMMIT"),
+                wire::sync(),
+            ]
+            .concat(),
+        ),
+    ];
+    for (how, send) in rollback_to_then_commit {
+        let mut stale = fx.raw_session(&options);
+        stale.send(
+            &[
+                wire::parse("rb", "ROLLBACK TO SAVEPOINT s", &[]),
+                wire::sync(),
+            ]
+            .concat(),
+        );
+        stale.until_ready();
+        stale.send(&[wire::parse("rb", "SELECT 1", &[]), wire::sync()].concat());
+        wire::assert_error(&stale.until_ready()[0], "ERROR", "42P05");
+        stale.send(&wire::query(format!(
+            "BEGIN; INSERT INTO revived VALUES ('stale {how}'); SAVEPOINT s"
+        )));
+        stale.until_ready();
+        stale.send(&wire::query("SELECT 1/0"));
+        wire::assert_error(&stale.until_ready()[0], "ERROR", "22012");
+        stale.send(&send);
+        if how == "synced apart" {
+            stale.until_ready();
+        }
+        expect_raw_rejection(&mut stale, how);
+    }
+    assert_eq!(fx.count("revived WHERE tag LIKE 'stale%'").await, 0);
 }
 
 /// `COMMIT PREPARED` and `ROLLBACK PREPARED` finish a transaction checked at its `PREPARE

@@ -709,6 +709,27 @@ fn copy_and_block_steps() -> Vec<Step> {
             ]),
             Ready(5),
         ),
+        step(
+            "a block that wrote",
+            q("BEGIN; INSERT INTO cp VALUES (37)"),
+            Ready(1),
+        ),
+        step(
+            "a Bind that fails after creating its portal",
+            cat(&[
+                wire::parse("", "UPDATE cp SET id = 1/0", &[]),
+                wire::bind("fp", "", &[]),
+                wire::execute("fp", 0),
+                s(),
+            ]),
+            Ready(1),
+        ),
+        step(
+            "that portal executed in the failed block",
+            cat(&[wire::execute("fp", 0), wire::execute("fp", 0), s()]),
+            Ready(1),
+        ),
+        step("rolled back", q("ROLLBACK"), Ready(1)),
         step("count", q("SELECT count(*) FROM cp"), Ready(1)),
         step("terminate", wire::terminate(), Closed),
     ]

@@ -197,10 +197,17 @@ impl Session {
         self.replies.push(request, super::replies::Origin::Client);
     }
 
-    /// Forwards a Parse or Bind of statement or portal `name` (see `Pending::name`).
-    fn forward_named(&mut self, frame: &[u8], request: Request, name: &[u8]) {
+    /// Forwards a Parse or Bind of statement or portal `name`, which stood for `before` (see
+    /// `Pending::name`).
+    fn forward_named(
+        &mut self,
+        frame: &[u8],
+        request: Request,
+        name: &[u8],
+        before: Option<Arc<Prepared>>,
+    ) {
         self.to_server.extend_from_slice(frame);
-        self.replies.push_named(request, name);
+        self.replies.push_named(request, name, before);
     }
 
     /// Notes when a client request that ends in ReadyForQuery went upstream.
@@ -211,7 +218,7 @@ impl Session {
         }
     }
 
-    fn prepared(&mut self, sql: &[u8]) -> Arc<Prepared> {
+    pub(super) fn prepared(&mut self, sql: &[u8]) -> Arc<Prepared> {
         let analysis = self.analyze(sql);
         Arc::new(Prepared {
             sql: sql.into(),
@@ -527,14 +534,12 @@ impl Session {
         if waits {
             return Ok(self.hold_until_answered());
         }
-        match prepared {
-            Some(p) if name.is_empty() => self.unnamed_statement = Some(p),
-            Some(p) => {
-                self.statements.insert(name.into(), p);
-            }
-            None => {}
-        }
-        self.forward_named(frame, Request::Parse, name);
+        let before = match prepared {
+            Some(p) if name.is_empty() => self.unnamed_statement.replace(p),
+            Some(p) => self.statements.insert(name.into(), p),
+            None => self.unnamed_statement.clone(),
+        };
+        self.forward_named(frame, Request::Parse, name, before);
         Ok(Flow::Continue)
     }
 
@@ -590,14 +595,14 @@ impl Session {
         {
             return Ok(self.hold_until_answered());
         }
-        if portal.is_empty() {
-            self.unnamed_portal = prepared;
+        let before = if portal.is_empty() {
+            std::mem::replace(&mut self.unnamed_portal, prepared)
         } else if let Some(p) = prepared {
-            self.portals.insert(portal.into(), p);
+            self.portals.insert(portal.into(), p)
         } else {
-            self.portals.remove(portal);
-        }
-        self.forward_named(frame, Request::Bind, portal);
+            self.portals.remove(portal)
+        };
+        self.forward_named(frame, Request::Bind, portal, before);
         Ok(Flow::Continue)
     }
 
@@ -672,18 +677,20 @@ impl Session {
         }
         if matches!(
             kind,
-            StatementKind::Commit | StatementKind::PrepareTransaction | StatementKind::Execute
+            StatementKind::Commit | StatementKind::PrepareTransaction
         ) && self.tx.commit_needs_check()
         {
-            if kind == StatementKind::Execute {
-                // The transaction may go on after it: the check closes its portal, so that
-                // the next check can bind it again.
-                self.tx.view = View::Unknown;
-            }
             self.inject_check(false);
             self.commit_check = CommitCheck::Sent {
                 found_failed: false,
             };
+        } else if kind == StatementKind::Execute && self.tx.commit_needs_check() {
+            // Checked as if it committed. Most likely it does not, and the transaction goes
+            // on: the check closes its portal, so that the next check can bind it again.
+            // And if the check fails, the block stays failed, as after a statement that
+            // failed (not ended as after a COMMIT, see `CommitCheck`).
+            self.tx.view = View::Unknown;
+            self.inject_check(false);
         }
         self.tx.on_statement(kind);
         self.note_copy_in(prepared.as_deref());

@@ -6,8 +6,10 @@
 //! in step with pipelined extended-protocol traffic.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use super::fence::CheckStatement;
+use super::Prepared;
 
 /// Which request a reply answers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -108,7 +110,7 @@ impl QueryPlan {
 }
 
 /// One reply the server owes.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Pending {
     pub request: Request,
     pub origin: Origin,
@@ -116,8 +118,10 @@ pub struct Pending {
     /// empty plan allocates nothing.
     pub plan: QueryPlan,
     /// For a client's Parse or Bind: the statement or portal it names (`None`: the unnamed
-    /// one), whose analysis pgfence must forget if the server refuses or skips the request.
+    /// one), whose analysis pgfence must put back if the server refuses or skips the request.
     pub name: Option<Box<[u8]>>,
+    /// What that name stood for before (`None`: nothing pgfence knew of).
+    pub before: Option<Arc<Prepared>>,
 }
 
 /// The queue of owed replies.
@@ -134,18 +138,20 @@ impl Replies {
             origin,
             plan: QueryPlan::default(),
             name: None,
+            before: None,
         });
     }
 
     /// A client's Parse or Bind of statement or portal `name`.
     #[inline]
-    pub fn push_named(&mut self, request: Request, name: &[u8]) {
+    pub fn push_named(&mut self, request: Request, name: &[u8], before: Option<Arc<Prepared>>) {
         self.queue.push_back(Pending {
             request,
             origin: Origin::Client,
             plan: QueryPlan::default(),
             // The unnamed statement and portal, most drivers' every query: no allocation.
             name: (!name.is_empty()).then(|| name.into()),
+            before,
         });
     }
 
@@ -156,6 +162,7 @@ impl Replies {
             origin: Origin::Client,
             plan,
             name: None,
+            before: None,
         });
     }
 

@@ -2,13 +2,15 @@
 //! in [`super::replies`]) and forwarded, swallowed (replies to pgfence's own messages) or
 //! turned into what the client must see (a rejection).
 
+use std::sync::Arc;
+
 use fence_core::rejection::Rejection;
 
 use crate::error::SessionError;
 use crate::protocol::message::{self as msg, Backend};
 
 use super::replies::{AfterCheck, Injected, Origin, Pending, Request};
-use super::{CommitCheck, CopyIn, Hold, Session};
+use super::{CommitCheck, CopyIn, Hold, Prepared, Session};
 
 /// `in_failed_sql_transaction`: the transaction had already failed before pgfence's check.
 const IN_FAILED_TRANSACTION: &[u8] = b"25P02";
@@ -16,6 +18,12 @@ const IN_FAILED_TRANSACTION: &[u8] = b"25P02";
 const NO_SUCH_STATEMENT: &[u8] = b"26000";
 /// `syntax_error`: in a simple Query, the whole string failed to parse and none of it ran.
 const SYNTAX_ERROR: &[u8] = b"42601";
+/// Errors a Bind raises before it creates its portal (PostgreSQL's `exec_bind_message`): no
+/// such statement, a malformed message (parameter counts), a failed block, and a named
+/// portal already there (`duplicate_cursor`). After any other error the portal exists, not
+/// defined: executed in the failed block, it answers EmptyQueryResponse.
+const BIND_ERRORS_BEFORE_PORTAL: [&[u8]; 4] =
+    [NO_SUCH_STATEMENT, b"08P01", IN_FAILED_TRANSACTION, b"42P03"];
 
 impl Session {
     pub(super) fn on_server_frame(&mut self, tag: u8, frame: &[u8]) -> Result<(), SessionError> {
@@ -229,9 +237,7 @@ impl Session {
             self.fence.forget_prepared();
         }
         if !request.is_sync_point() {
-            if let Some(failed) = self.replies.pop() {
-                self.refused(&failed);
-            }
+            let failed = self.replies.pop();
             let skipped = self.replies.skip_to_sync();
             // The client's COMMIT is the first of its messages skipped after a check.
             skips_client_work = skipped
@@ -239,8 +245,12 @@ impl Session {
                 .filter(|p| p.origin == Origin::Client)
                 .count()
                 > 1;
-            for skipped in &skipped {
-                self.refused(skipped);
+            // Undone last first: each puts back what its name stood for before it.
+            for skipped in skipped.into_iter().rev() {
+                self.refused(skipped, None);
+            }
+            if let Some(failed) = failed {
+                self.refused(failed, Some(fields.code));
             }
             if !from_check
                 && self.replies.front().is_some_and(|p| {
@@ -313,22 +323,40 @@ impl Session {
     ///   in an aborted transaction, no longer does); the next use prepares it (a client
     ///   learns why from the error, if it was not skipped).
     /// - A client's Parse or Bind: the server kept the statement or portal of that name it
-    ///   had before (a Parse of an existing name fails with 42P05), or none, and the text
-    ///   pgfence analysed is not what it holds: pgfence forgets the name, and a portal it
-    ///   does not know counts as one that may write.
-    fn refused(&mut self, request: &Pending) {
+    ///   had before (a Parse of an existing name fails with 42P05, a Bind of an existing
+    ///   portal with 42P03), or none, and pgfence puts back what it knew of it; `failed_with`
+    ///   is the error of a request refused, `None` for one skipped. Except after a refused
+    ///   Parse of the unnamed statement, which the server dropped first (a portal of a
+    ///   statement pgfence does not know counts as one that may run anything), and a Bind
+    ///   that failed after it created its portal (see [`BIND_ERRORS_BEFORE_PORTAL`]).
+    fn refused(&mut self, request: Pending, failed_with: Option<&[u8]>) {
         self.fence.not_prepared(request.origin);
         if request.origin != Origin::Client {
             return;
         }
-        match (request.request, &request.name) {
-            (Request::Parse, None) => self.unnamed_statement = None,
-            (Request::Parse, Some(name)) => {
-                self.statements.remove(name);
+        let before = request.before;
+        let put = |names: &mut super::Names, name: Box<[u8]>, p: Option<Arc<Prepared>>| {
+            match p {
+                Some(p) => names.insert(name, p),
+                None => names.remove(&name),
+            };
+        };
+        match (request.request, request.name) {
+            (Request::Parse, None) => {
+                self.unnamed_statement = before.filter(|_| failed_with.is_none());
             }
-            (Request::Bind, None) => self.unnamed_portal = None,
-            (Request::Bind, Some(name)) => {
-                self.portals.remove(name);
+            (Request::Parse, Some(name)) => put(&mut self.statements, name, before),
+            (Request::Bind, name) => {
+                let portal = match failed_with {
+                    Some(code) if !BIND_ERRORS_BEFORE_PORTAL.contains(&code) => {
+                        Some(self.prepared(b""))
+                    }
+                    _ => before,
+                };
+                match name {
+                    None => self.unnamed_portal = portal,
+                    Some(name) => put(&mut self.portals, name, portal),
+                }
             }
             _ => {}
         }

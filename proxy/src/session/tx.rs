@@ -74,7 +74,15 @@ impl TxState {
             }
             // Outside a block it only fails: nothing to check, and a check added to it would
             // change how it fails.
-            StatementKind::RollbackToSavepoint => self.dirty |= self.view != View::Idle,
+            StatementKind::RollbackToSavepoint => {
+                self.dirty |= self.view != View::Idle;
+                if self.view == View::Failed {
+                    // The block lives again, with what it wrote before the savepoint: a
+                    // COMMIT after it commits that. (If it fails, no savepoint of that
+                    // name, what follows is skipped anyway.)
+                    self.view = View::InBlock;
+                }
+            }
             StatementKind::MayWrite | StatementKind::NonTransactional => self.dirty = true,
             // Anything, a COMMIT included (its check went before it): what follows may be in
             // the same transaction, a new one or none.
