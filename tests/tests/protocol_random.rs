@@ -29,7 +29,8 @@
 //!   in token sessions,
 //!   the empty query, and statements pgfence treats apart or that change session state:
 //!   cursors (`DECLARE`, `WITH HOLD`, `FOR UPDATE`, `FETCH`, `MOVE`, `CLOSE`), SQL
-//!   `PREPARE`/`EXECUTE`/`DEALLOCATE`, `DISCARD`, `SET [LOCAL]` of other settings, `RESET
+//!   `PREPARE`/`EXECUTE`/`DEALLOCATE` (`PREPARE` also under the extended protocol's
+//!   statement names), `DISCARD`, `SET [LOCAL]` of other settings, `RESET
 //!   ALL`, `SET TRANSACTION`, `BEGIN ISOLATION LEVEL ...`, `LISTEN`/`NOTIFY`, `COPY ... TO
 //!   STDOUT`, a temporary table, `LOCK`, `TRUNCATE`, `VACUUM`; sometimes several Query messages
 //!   pipelined in one write; a Query holding `COPY r FROM STDIN` (alone or among other
@@ -102,8 +103,11 @@ use rand::{Rng, SeedableRng};
 /// and 2860, an Execute of `DISCARD ALL` under a name pgfence had forgotten; 5146, 5322
 /// and 5480, transaction control run under a name pgfence had forgotten (its check's
 /// portal outlived the check, and the next check could not bind it); 5625, a `DEALLOCATE
-/// ALL` behind a check whose statement was being prepared.
-const REGRESSION_SEEDS: &[u64] = &[1094, 1242, 2341, 2509, 2860, 5146, 5322, 5480, 5625];
+/// ALL` behind a check whose statement was being prepared; 5678, 5732 and 5764, a portal
+/// whose Bind failed after creating it, executed in the failed block (EmptyQueryResponse).
+const REGRESSION_SEEDS: &[u64] = &[
+    1094, 1242, 2341, 2509, 2860, 5146, 5322, 5480, 5625, 5678, 5732, 5764,
+];
 
 /// The fencing resource of the token sessions.
 const RESOURCE: &str = "rnd";
@@ -415,7 +419,14 @@ impl Gen {
                 .pick(&["MOVE 1 IN c", "CLOSE c", "CLOSE h", "CLOSE ALL"])
                 .to_string(),
             6 => "PREPARE q (int, int) AS INSERT INTO r VALUES ($1, $2)".to_string(),
-            7 => "PREPARE qs AS SELECT count(*) FROM r".to_string(),
+            // Also under a name the extended protocol uses (its Parse then fails with 42P05,
+            // and its Bind runs this). Chosen by `k`, drawn anyway, so that the generator's
+            // random stream, and the sessions of earlier seeds, stay as they were.
+            7 => match k {
+                1 => format!("PREPARE a AS INSERT INTO r VALUES ({k}, 0)"),
+                2 => "PREPARE b AS SELECT count(*) FROM r".to_string(),
+                _ => "PREPARE qs AS SELECT count(*) FROM r".to_string(),
+            },
             8 | 9 => {
                 let sql = format!("EXECUTE q({k}, {})", k * 10);
                 self.comment(sql)
