@@ -225,6 +225,9 @@ pub struct Analysis {
     /// `set_config` too. Transaction control that undoes a `SET` or ends a `SET LOCAL`
     /// shows in the statement kinds instead.
     pub mentions_fencing: bool,
+    /// A statement is SQL `PREPARE name ...` (not `PREPARE TRANSACTION`): it replaces the
+    /// prepared statement of that name, the extended protocol's too.
+    pub prepares_in_sql: bool,
 }
 
 impl Analysis {
@@ -329,6 +332,7 @@ impl Analysis {
     fn end_segment(&mut self, segment: &mut Scan<'_>, orphans_from: &mut Option<usize>) {
         let from = segment.directives_from;
         self.mentions_fencing |= segment.resets_all_settings();
+        self.prepares_in_sql |= segment.prepares_in_sql();
         let statement = segment.finish(self.directives.len());
         segment.reset(self.directives.len());
         match statement {

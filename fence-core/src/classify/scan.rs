@@ -83,7 +83,8 @@ pub(super) struct Scan<'a> {
     block_head: BlockHead,
 }
 
-/// First words of statements that may fail or warn outside a transaction block.
+/// First words whose statements may fail or warn outside a transaction block, and
+/// `PREPARE` (see [`Scan::prepares_in_sql`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum BlockHead {
     Other,
@@ -91,6 +92,7 @@ enum BlockHead {
     Declare,
     Set,
     Discard,
+    Prepare,
 }
 
 const NO_TOK: Tok = Tok {
@@ -211,6 +213,7 @@ impl<'a> Scan<'a> {
                 b"declare" => BlockHead::Declare,
                 b"set" => BlockHead::Set,
                 b"discard" => BlockHead::Discard,
+                b"prepare" => BlockHead::Prepare,
                 _ => BlockHead::Other,
             };
         }
@@ -583,7 +586,7 @@ impl<'a> Scan<'a> {
     /// See [`Statement::block_sensitive`].
     fn block_sensitive(&self) -> bool {
         match self.block_head {
-            BlockHead::Other => false,
+            BlockHead::Other | BlockHead::Prepare => false,
             BlockHead::Lock => true,
             BlockHead::Declare => !self.seen.with_hold,
             BlockHead::Set => {
@@ -596,6 +599,11 @@ impl<'a> Scan<'a> {
     }
 
     /// `RESET ALL` and `DISCARD ALL` reset `fencing.token` without naming it.
+    /// SQL `PREPARE name ...` (not `PREPARE TRANSACTION`).
+    pub(super) fn prepares_in_sql(&self) -> bool {
+        self.block_head == BlockHead::Prepare && self.kind() != StatementKind::PrepareTransaction
+    }
+
     pub(super) fn resets_all_settings(&self) -> bool {
         (self.word_is(0, "reset") || self.word_is(0, "discard")) && self.word_is(1, "all")
     }

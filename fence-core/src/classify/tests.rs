@@ -34,6 +34,20 @@ fn check(cases: &[(&str, StatementKind)]) {
 }
 
 #[test]
+fn prepares_in_sql() {
+    let prepares = |sql: &str| analyze(sql.as_bytes()).prepares_in_sql;
+    assert!(prepares("PREPARE q AS SELECT 1"));
+    assert!(prepares(
+        "SELECT 1; /* c */ prepare q (int) AS INSERT INTO t VALUES ($1)"
+    ));
+    assert!(prepares("PREPARE transaction AS SELECT 1"));
+    assert!(!prepares("PREPARE TRANSACTION 'g1'"));
+    assert!(!prepares(
+        "EXECUTE q; DEALLOCATE q; SELECT 'PREPARE q AS SELECT 1'"
+    ));
+}
+
+#[test]
 fn pgbench() {
     check(&[
         (
@@ -924,6 +938,7 @@ fn fast_walk_changes_nothing(heads: &[&str], extra: &[&str], mut seed: u64) {
             let slow = analyze_impl(sql.as_bytes(), options, false);
             assert_eq!(fast.statements, slow.statements, "{sql:?}");
             assert_eq!(fast.directives, slow.directives, "{sql:?}");
+            assert_eq!(fast.prepares_in_sql, slow.prepares_in_sql, "{sql:?}");
             if fast.mentions_fencing != slow.mentions_fencing {
                 // A run of identifier bytes is checked whole: `0xfencing` is a number to
                 // the lexer but mentions `fencing` here. Over-reporting is allowed.

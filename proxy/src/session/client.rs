@@ -60,10 +60,6 @@ pub(crate) enum PreparedInSql {
 /// `DISCARD ALL` drops changes nothing pgfence relies on: a name it still knows is only
 /// ever run again after a `PREPARE`, or after a Parse it sees.)
 pub(super) fn prepared_in_sql(sql: &[u8], options: LexOptions) -> PreparedInSql {
-    // On every statement of every Query: most start with another letter.
-    if !matches!(sql.first(), Some(b'p' | b'P' | b'/' | b'-')) {
-        return PreparedInSql::No;
-    }
     let mut tokens = Lexer::with_options(sql, options)
         .filter(|t| !matches!(t.kind, TokKind::Comment { .. }))
         .take_while(|t| t.kind != TokKind::Semicolon);
@@ -223,7 +219,11 @@ impl Session {
         Arc::new(Prepared {
             sql: sql.into(),
             copy_in: is_copy_from_stdin(sql, self.lex),
-            prepares: prepared_in_sql(sql, self.lex),
+            prepares: if analysis.prepares_in_sql {
+                prepared_in_sql(sql, self.lex)
+            } else {
+                PreparedInSql::No
+            },
             tx_control: analysis.tx_control(),
             analysis,
         })
@@ -304,10 +304,12 @@ impl Session {
             .iter()
             .any(|s| s.kind == StatementKind::Discard)
         {
-            self.fence.forget_prepared();
+            self.fence.dropping_prepared();
         }
-        for statement in analysis.statements.iter() {
-            self.forget_prepared_in_sql(&prepared_in_sql(statement.text(sql), self.lex));
+        if analysis.prepares_in_sql {
+            for statement in analysis.statements.iter() {
+                self.forget_prepared_in_sql(&prepared_in_sql(statement.text(sql), self.lex));
+            }
         }
         if !self.fence.enabled {
             if analysis.tx_control() {
@@ -646,7 +648,7 @@ impl Session {
             // A portal pgfence does not know may run `DISCARD ALL` or `DEALLOCATE ALL` (its
             // statement's Parse was refused, leaving the server's older one): its next
             // check prepares its statement again rather than bind one that may be gone.
-            self.fence.forget_prepared();
+            self.fence.dropping_prepared();
         }
         if !self.fence.enabled {
             if matches!(

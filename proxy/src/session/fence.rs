@@ -123,6 +123,10 @@ pub struct FenceSettings {
     /// later write with that token fails with 40001. pgfence resets it as soon as the
     /// session is idle with nothing in flight (see `Session::reset_hint_if_stale`).
     pub hint_outlives_prepare: bool,
+    /// A statement that may drop pgfence's statements (`DEALLOCATE`, `DISCARD`, a portal
+    /// pgfence does not know) went upstream and its replies are not all in: its
+    /// CommandComplete makes pgfence forget them again (see [`Self::dropping_prepared`]).
+    pub drop_in_flight: bool,
 }
 
 impl FenceSettings {
@@ -177,6 +181,7 @@ impl FenceSettings {
             looks_fenced,
             accepted: Vec::new(),
             hint_outlives_prepare: false,
+            drop_in_flight: false,
         }
     }
 
@@ -185,6 +190,14 @@ impl FenceSettings {
     pub fn forget_prepared(&mut self) {
         self.checks_prepared = [false; 3];
         self.fast_reject_prepared = false;
+    }
+
+    /// A statement that may drop pgfence's statements goes upstream: they are forgotten
+    /// now, so that no check after it binds one it drops, and again when it completes (a
+    /// Parse of pgfence's sent before it and answered since no longer stands either).
+    pub fn dropping_prepared(&mut self) {
+        self.forget_prepared();
+        self.drop_in_flight = true;
     }
 
     /// The server answered a Parse of `origin` with ParseComplete: if it was one of

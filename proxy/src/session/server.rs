@@ -80,12 +80,10 @@ impl Session {
                         _ => {}
                     }
                 }
-                if frame.get(5) == Some(&b'D') {
+                if self.fence.drop_in_flight && frame.get(5) == Some(&b'D') {
                     let tag = msg::command_tag(frame);
                     if tag.starts_with(b"DEALLOCATE") || tag == b"DISCARD ALL" {
-                        // Forgotten when it went upstream too, so that no check after it
-                        // binds a statement it drops. Now again: a Parse of pgfence's sent
-                        // before it, answered since, no longer stands either.
+                        // See `FenceSettings::dropping_prepared`.
                         self.fence.forget_prepared();
                     }
                 }
@@ -427,6 +425,9 @@ impl Session {
             }
         }
         let settled = self.replies.is_empty();
+        if settled {
+            self.fence.drop_in_flight = false;
+        }
         if !self.fence.accepted.is_empty() && status != b'T' {
             // Idle: the transaction committed (a failure would have come as an error first).
             self.settle_accepted(status == b'I');
