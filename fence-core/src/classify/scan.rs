@@ -601,7 +601,17 @@ impl<'a> Scan<'a> {
     /// `RESET ALL` and `DISCARD ALL` reset `fencing.token` without naming it.
     /// SQL `PREPARE name ...` (not `PREPARE TRANSACTION`).
     pub(super) fn prepares_in_sql(&self) -> bool {
-        self.block_head == BlockHead::Prepare && self.kind() != StatementKind::PrepareTransaction
+        self.block_head == BlockHead::Prepare && !self.prepares_transaction()
+    }
+
+    /// `PREPARE TRANSACTION 'gid'` (a statement may be named `transaction`), once its first
+    /// word is known to be `PREPARE`.
+    fn prepares_transaction(&self) -> bool {
+        let gid = self
+            .words()
+            .get(2)
+            .is_some_and(|t| t.kind == TokKind::String);
+        self.word_is(1, "transaction") && gid
     }
 
     pub(super) fn resets_all_settings(&self) -> bool {
@@ -651,8 +661,7 @@ impl<'a> Scan<'a> {
 
     fn prepare(&self) -> StatementKind {
         let words = self.words();
-        let gid = words.get(2).is_some_and(|t| t.kind == TokKind::String);
-        if self.word_is(1, "transaction") && gid {
+        if self.prepares_transaction() {
             return StatementKind::PrepareTransaction;
         }
         let inner = (2..words.len().saturating_sub(1))

@@ -104,6 +104,12 @@ pub(super) fn prepared_in_sql(sql: &[u8], options: LexOptions) -> PreparedInSql 
     }
 }
 
+/// A count of statements in a Query, as [`QueryPlan`] keeps it: a message of at most 1 GiB
+/// cannot hold more than `u32::MAX`.
+fn count(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
 impl Session {
     pub(super) fn on_client_frame(&mut self, tag: u8, frame: &[u8]) -> Result<Flow, SessionError> {
         let Some(kind) = Frontend::from_tag(tag) else {
@@ -407,7 +413,7 @@ impl Session {
                 chars_before += added;
             }
             copied = offset;
-            checks.push(index + n);
+            checks.push(count(index + n));
         }
         if inserted.len() != plan.before.len() {
             inserted.clear();
@@ -416,14 +422,14 @@ impl Session {
         if plan.at_end {
             text.extend_from_slice(b"\n;");
             self.check_literal(&mut text);
-            checks.push(analysis.statements.len() + plan.before.len());
+            checks.push(count(analysis.statements.len() + plan.before.len()));
         }
         self.shared.stats.checks.add();
         self.tx.directives.clear();
         self.check_sent = Some(std::time::Instant::now());
         self.sent(Request::Query);
         msg::query(&mut self.to_server, &text);
-        let statements = analysis.statements.len() + checks.len();
+        let statements = count(analysis.statements.len() + checks.len());
         self.replies.push_query(QueryPlan {
             checks,
             done: 0,

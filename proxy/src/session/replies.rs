@@ -86,16 +86,18 @@ pub enum AfterCheck {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct QueryPlan {
     /// Indexes (in statement order) of the injected check statements, ascending.
-    pub checks: Vec<usize>,
+    pub checks: Vec<u32>,
     /// Statements answered so far.
-    pub done: usize,
+    pub done: u32,
     /// The query was rewritten to the fast-path rejection.
     pub fast_reject: bool,
     /// The last check stands for the end of the implicit transaction (it follows the
     /// client's last statement).
     pub at_end: bool,
-    /// How many statements the query sent upstream has, pgfence's included.
-    pub statements: usize,
+    /// How many statements the query sent upstream has, pgfence's included. (Counts are
+    /// `u32`, which a Query's at most 1 GiB of text cannot exceed: every reply owed is one
+    /// `Pending`, moved in and out of the queue, so its size counts.)
+    pub statements: u32,
     /// Where pgfence inserted text into the client's query: (character index in the text
     /// sent, characters inserted), ascending; error positions after them are moved back.
     pub inserted: Vec<(u64, u64)>,
