@@ -159,6 +159,9 @@ pub struct Statement {
     /// (`WarnNoTransactionBlock`), and `DISCARD ALL` fails inside one
     /// (`PreventInTransactionBlock`, like the [`StatementKind::NonTransactional`] ones).
     pub block_sensitive: bool,
+    /// SQL `PREPARE name ...` (not `PREPARE TRANSACTION`): it replaces the prepared
+    /// statement of that name, the extended protocol's too (its name follows `PREPARE`).
+    pub prepares_in_sql: bool,
 }
 
 impl Statement {
@@ -225,8 +228,7 @@ pub struct Analysis {
     /// `set_config` too. Transaction control that undoes a `SET` or ends a `SET LOCAL`
     /// shows in the statement kinds instead.
     pub mentions_fencing: bool,
-    /// A statement is SQL `PREPARE name ...` (not `PREPARE TRANSACTION`): it replaces the
-    /// prepared statement of that name, the extended protocol's too.
+    /// A statement [`Statement::prepares_in_sql`].
     pub prepares_in_sql: bool,
 }
 
@@ -332,8 +334,8 @@ impl Analysis {
     fn end_segment(&mut self, segment: &mut Scan<'_>, orphans_from: &mut Option<usize>) {
         let from = segment.directives_from;
         self.mentions_fencing |= segment.resets_all_settings();
-        self.prepares_in_sql |= segment.prepares_in_sql();
         let statement = segment.finish(self.directives.len());
+        self.prepares_in_sql |= statement.as_ref().is_some_and(|s| s.prepares_in_sql);
         segment.reset(self.directives.len());
         match statement {
             Some(mut statement) => {

@@ -528,6 +528,7 @@ impl<'a> Scan<'a> {
             kind: self.kind(),
             directives: self.directives_from..directives_end,
             block_sensitive: self.block_sensitive(),
+            prepares_in_sql: self.prepares_in_sql(),
         })
     }
 
@@ -600,7 +601,7 @@ impl<'a> Scan<'a> {
 
     /// `RESET ALL` and `DISCARD ALL` reset `fencing.token` without naming it.
     /// SQL `PREPARE name ...` (not `PREPARE TRANSACTION`).
-    pub(super) fn prepares_in_sql(&self) -> bool {
+    fn prepares_in_sql(&self) -> bool {
         self.block_head == BlockHead::Prepare && !self.prepares_transaction()
     }
 

@@ -46,7 +46,7 @@ fn is_copy_from_stdin(sql: &[u8], options: LexOptions) -> bool {
 /// The prepared statement a SQL `PREPARE name AS ...` replaces.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum PreparedInSql {
-    /// Not a `PREPARE` (or `PREPARE TRANSACTION`).
+    /// Not a `PREPARE` (or a malformed one).
     No,
     Name(Box<[u8]>),
     /// A name pgfence does not spell as the server would (`U&"..."`, too long to compare,
@@ -54,28 +54,19 @@ pub(crate) enum PreparedInSql {
     Unknown,
 }
 
-/// The name `sql`, one statement, prepares in SQL. The proxy forgets what it knew of that
-/// name: the server's statement of it is now the one prepared in SQL, or after a `PREPARE`
-/// that failed (the name in use) the one it had. (A statement that `DEALLOCATE` or
-/// `DISCARD ALL` drops changes nothing pgfence relies on: a name it still knows is only
+/// The name a SQL `PREPARE name ...` statement (`sql`, see
+/// `fence_core::classify::Statement::prepares_in_sql`) prepares. The proxy forgets what it
+/// knew of that name: the server's statement of it is now the one prepared in SQL, or after
+/// a `PREPARE` that failed (the name in use) the one it had. (A statement that `DEALLOCATE`
+/// or `DISCARD ALL` drops changes nothing pgfence relies on: a name it still knows is only
 /// ever run again after a `PREPARE`, or after a Parse it sees.)
 pub(super) fn prepared_in_sql(sql: &[u8], options: LexOptions) -> PreparedInSql {
-    let mut tokens = Lexer::with_options(sql, options)
+    let Some(name) = Lexer::with_options(sql, options)
         .filter(|t| !matches!(t.kind, TokKind::Comment { .. }))
-        .take_while(|t| t.kind != TokKind::Semicolon);
-    let word = |t: Option<fence_core::lexer::Tok>, keyword: &str| {
-        t.is_some_and(|t| t.kind == TokKind::Ident && is_keyword(t.text(sql), keyword))
-    };
-    if !word(tokens.next(), "prepare") {
-        return PreparedInSql::No;
-    }
-    let Some(name) = tokens.next() else {
+        .nth(1)
+    else {
         return PreparedInSql::No; // a syntax error
     };
-    // `PREPARE TRANSACTION 'gid'`; a statement may be named `transaction`.
-    if word(Some(name), "transaction") && tokens.next().is_some_and(|t| t.kind == TokKind::String) {
-        return PreparedInSql::No;
-    }
     let text = name.text(sql);
     let spelled: Option<Vec<u8>> = match name.kind {
         // Folded to lower case; PostgreSQL may fold bytes >= 0x80 too, in single-byte
@@ -313,7 +304,7 @@ impl Session {
             self.fence.dropping_prepared();
         }
         if analysis.prepares_in_sql {
-            for statement in analysis.statements.iter() {
+            for statement in analysis.statements.iter().filter(|s| s.prepares_in_sql) {
                 self.forget_prepared_in_sql(&prepared_in_sql(statement.text(sql), self.lex));
             }
         }
@@ -618,8 +609,9 @@ impl Session {
         let portal =
             msg::execute_portal(frame).ok_or(SessionError::MalformedClientMessage("Execute"))?;
         let prepared = self.portal(portal);
-        // A portal pgfence did not see bound may run anything, a COMMIT included: the
-        // server's statement of a name whose Parse it refused, or one prepared in SQL.
+        // A portal pgfence did not see bound may run anything, a COMMIT included: one of a
+        // statement prepared in SQL (maybe over one parsed as COMMIT: see
+        // `prepared_in_sql`), or whose Parse was refused before it (the unnamed one).
         let kind = match &prepared {
             Some(p) => p
                 .analysis
@@ -754,7 +746,6 @@ mod tests {
             prepares("PREPARE transaction AS SELECT 1"),
             name("transaction")
         );
-        assert_eq!(prepares("PREPARE TRANSACTION 'g1'"), PreparedInSql::No);
         assert_eq!(
             prepares("PREPARE U&\"q\" AS SELECT 1"),
             PreparedInSql::Unknown
@@ -763,12 +754,6 @@ mod tests {
         assert_eq!(prepares(&long), PreparedInSql::Unknown);
         assert_eq!(prepares("PREPARE \"q"), PreparedInSql::Unknown);
         assert_eq!(prepares("PREPARE"), PreparedInSql::No);
-        assert_eq!(prepares("EXECUTE q"), PreparedInSql::No);
-        assert_eq!(prepares("DEALLOCATE q"), PreparedInSql::No);
-        assert_eq!(
-            prepares("SELECT 'PREPARE q AS SELECT 1'"),
-            PreparedInSql::No
-        );
     }
 
     #[test]
