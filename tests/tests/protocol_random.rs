@@ -56,7 +56,7 @@
 //! the session so far and the replies of both sides.
 //!
 //! Environment (defaults: seeds 1..=40 and [`REGRESSION_SEEDS`], 5 sessions of 25 steps
-//! each, about 20 s):
+//! each, about 25 s):
 //!
 //! - `PGFENCE_RANDOM_SEED=n`: run seed `n` only;
 //! - `PGFENCE_RANDOM_SEEDS=count` (and `PGFENCE_RANDOM_FIRST_SEED=n`, default 1): run
