@@ -370,6 +370,32 @@ impl RawConn {
         (conn, msgs)
     }
 
+    /// Connects to `addr` and logs in as `user` on `database` with startup `options` (e.g.
+    /// `-c fencing.token=34`), reading up to the first ReadyForQuery, which must not follow
+    /// an error.
+    pub fn login_with_options(
+        addr: SocketAddr,
+        user: &str,
+        database: &str,
+        options: &str,
+    ) -> RawConn {
+        let mut conn = RawConn::connect(addr);
+        conn.send(&startup_version(
+            PROTOCOL_3_0,
+            &[
+                ("user", user.as_bytes()),
+                ("database", database.as_bytes()),
+                ("options", options.as_bytes()),
+            ],
+        ));
+        let msgs = conn.until_ready();
+        assert!(
+            msgs.iter().all(|m| m.tag != b'E'),
+            "login at {addr} with options {options:?} failed: {msgs:?}"
+        );
+        conn
+    }
+
     /// Writes `bytes`; panics on failure.
     pub fn send(&mut self, bytes: &[u8]) {
         self.try_send(bytes)

@@ -416,13 +416,21 @@ impl Session {
 
     fn on_ready(&mut self, frame: &[u8]) {
         let status = msg::ready_status(frame);
-        // Pop up to and including the sync point this answers.
+        // Pop up to and including the sync point this answers. What is still in flight
+        // before it got no reply: the server skipped it, after an error that came before
+        // it was sent (see `on_error` for those sent before the error).
         let mut answered = None;
+        let mut skipped = Vec::new();
         while let Some(p) = self.replies.pop() {
             if p.request.is_sync_point() {
                 answered = Some(p.origin);
                 break;
             }
+            skipped.push(p);
+        }
+        // Undone last first, as in `on_error`.
+        for p in skipped.into_iter().rev() {
+            self.refused(p, None);
         }
         let settled = self.replies.is_empty();
         if settled {
