@@ -50,6 +50,19 @@
 //!   messages the server gets outside a copy are ignored, by protocol);
 //! - at the end, Terminate (the server rolls back what is open).
 //!
+//! A second test, [`random_stale_sessions_never_commit_a_write`], checks the fence rather
+//! than transparency: the same kind of sessions, every token stale (both resources fenced
+//! above it, and a default resource so that a write without a token is rejected too),
+//! through pgfence with the fast path off and on, must leave `r` as it was (same rows, same
+//! writing transactions) and no prepared transaction behind, whatever they send; through
+//! pgfence with the fence off most sessions must change `r` (the oracle can fail). Its
+//! sessions also draw [`Gen::stale_extra`]: writes the text does not show plainly (a
+//! function, a procedure, a trigger, a view, `MERGE`, `EXPLAIN ANALYZE`, a FunctionCall
+//! message, calls spelled `"w"(`, `U&"\0077"(`, `w /* */ (`), statement boundaries hidden in
+//! literals and comments, read-only transactions and `standard_conforming_strings`. It ran
+//! seeds 1 to 2000 without a stale write committed; a classifier that took quoted names for
+//! non-calls was caught within 40 seeds.
+//!
 //! Each step is one write; its replies are read up to the number of ReadyForQuery its Syncs
 //! and Queries owe (a step ending in Flush: up to one completion per message, or the first
 //! error). On a mismatch the test fails with the seed, session, step, every message sent in
@@ -147,7 +160,12 @@ enum Out {
     CopyData(String),
     CopyDone,
     CopyFail,
+    /// FunctionCall of `w(k)` (stale runs only; see [`W_OID`]).
+    FunctionCall(u32),
 }
+
+/// The oid of function `w(int)` in the stale run's cluster, for [`Out::FunctionCall`].
+static W_OID: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
 
 impl Out {
     fn bytes(&self) -> Vec<u8> {
@@ -172,6 +190,12 @@ impl Out {
             Out::CopyData(data) => wire::copy_data(data.as_bytes()),
             Out::CopyDone => wire::copy_done(),
             Out::CopyFail => wire::copy_fail("given up"),
+            Out::FunctionCall(k) => {
+                let oid = *W_OID
+                    .get()
+                    .expect("w's oid is known before a function call");
+                wire::function_call(oid, &[Some(k.to_string().as_bytes())])
+            }
         }
     }
 }
@@ -200,6 +224,7 @@ impl fmt::Display for Out {
             Out::CopyData(data) => write!(f, "CopyData {data:?}"),
             Out::CopyDone => write!(f, "CopyDone"),
             Out::CopyFail => write!(f, "CopyFail"),
+            Out::FunctionCall(k) => write!(f, "FunctionCall w({k})"),
         }
     }
 }
@@ -269,6 +294,9 @@ struct Gen {
     /// data after an Execute that did not start a copy is ignored by the server).
     copy_in_statements: BTreeSet<&'static str>,
     copy_in_portals: BTreeSet<&'static str>,
+    /// A stale run's session: also draws [`Gen::stale_extra`] and FunctionCalls, which need
+    /// the stale run's schema (and would change the replies' object ids anyway).
+    stale: bool,
 }
 
 const STATEMENT_NAMES: &[&str] = &["", "a", "b"];
@@ -490,8 +518,71 @@ impl Gen {
         }
     }
 
+    /// Statements for the stale run only: writes that the text does not show plainly
+    /// (functions, procedures, triggers, views, `MERGE`, `EXPLAIN ANALYZE`, calls spelled
+    /// oddly, statement boundaries hidden in literals and comments), read-only transactions,
+    /// and `standard_conforming_strings`, which changes where a literal ends.
+    fn stale_extra(&mut self) -> String {
+        let k = self.key();
+        let sql = match self.rng.gen_range(0..30) {
+            0 => format!("SELECT w({k})"),
+            1 => format!("SELECT * FROM w({k})"),
+            2 => format!("SELECT id, w(id) FROM r WHERE id = {k}"),
+            3 => format!("CALL p({k})"),
+            4 => format!("INSERT INTO s VALUES ({k})"),
+            5 => format!("INSERT INTO rv VALUES ({}, 1)", k + 20),
+            6 => format!("UPDATE rv SET v = 0 WHERE id = {k}"),
+            7 => format!(
+                "MERGE INTO r USING (VALUES ({k})) AS src(id) ON r.id = src.id \
+                 WHEN MATCHED THEN UPDATE SET v = r.v + 7 WHEN NOT MATCHED THEN INSERT VALUES (src.id, 7)"
+            ),
+            8 => format!("EXPLAIN ANALYZE UPDATE r SET v = v + 1 WHERE id = {k}"),
+            9 => format!("EXPLAIN (ANALYZE, COSTS OFF) DELETE FROM r WHERE id = {k}"),
+            10 => format!("SELECT \"w\"({k})"),
+            11 => format!("SELECT w /* a call */ ({k})"),
+            12 => format!("SELECT U&\"\\0077\"({k})"),
+            13 => format!("SELECT public.w({k})"),
+            14 => format!("WITH x AS (SELECT w({k})) SELECT * FROM x"),
+            15 => format!("VALUES (w({k}))"),
+            16 => format!("SELECT CASE WHEN true THEN w({k}) END"),
+            17 => format!("COPY (SELECT w({k})) TO STDOUT"),
+            18 => format!("DECLARE c CURSOR FOR SELECT w({k})"),
+            19 => "PREPARE qw (int) AS UPDATE r SET v = v + 5 WHERE id = $1".to_string(),
+            20 => format!("EXECUTE qw({k})"),
+            21 => format!("SELECT ';' AS semi, w({k})"),
+            22 => format!("SELECT E'it\\'s' AS s, w({k})"),
+            23 => format!("SELECT $x$;$x$ AS d; UPDATE r SET v = v + 3 WHERE id = {k}"),
+            24 => format!("SELECT 1; -- ; comment\nUPDATE r SET v = 9 WHERE id = {k}"),
+            25 => format!("/* a /* nested */ comment; */ UPDATE r SET v = 8 WHERE id = {k}"),
+            26 => self
+                .pick(&[
+                    "BEGIN READ ONLY",
+                    "SET TRANSACTION READ ONLY",
+                    "SET default_transaction_read_only = on",
+                    "RESET default_transaction_read_only",
+                ])
+                .to_string(),
+            27 => self
+                .pick(&[
+                    "SET standard_conforming_strings = off",
+                    "SET LOCAL standard_conforming_strings = off",
+                    "RESET standard_conforming_strings",
+                ])
+                .to_string(),
+            // One literal, or a literal, an UPDATE and a comment: which one depends on
+            // `standard_conforming_strings`.
+            28 => format!("SELECT 'x\\'; UPDATE r SET v = 77 WHERE id = {k}; -- '"),
+            _ => format!("SELECT 'x\\'; SELECT 1 AS one; -- '; UPDATE r SET v = 78 WHERE id = {k}"),
+        };
+        self.comment(sql)
+    }
+
     /// One SQL statement from the pool.
     fn statement(&mut self) -> String {
+        // Short-circuits outside stale runs: their random stream stays as it was.
+        if self.stale && self.chance(0.15) {
+            return self.stale_extra();
+        }
         let roll = self.rng.gen_range(0..115);
         match roll {
             0..=24 => self.tx_control(),
@@ -600,6 +691,10 @@ impl Gen {
     }
 
     fn simple_step(&mut self) -> Vec<Out> {
+        if self.stale && self.chance(0.04) {
+            let k = self.key();
+            return vec![Out::FunctionCall(k)];
+        }
         if self.chance(0.03) {
             return self.two_phase_step();
         }
@@ -806,7 +901,7 @@ impl Gen {
     }
 }
 
-fn generate(seed: u64, session: usize, steps: usize, token: u64) -> Session {
+fn generate(seed: u64, session: usize, steps: usize, token: u64, stale: bool) -> Session {
     let mix = seed
         .wrapping_mul(0x9E37_79B9_7F4A_7C15)
         .wrapping_add(session as u64)
@@ -825,6 +920,7 @@ fn generate(seed: u64, session: usize, steps: usize, token: u64) -> Session {
         unnamed_bound: false,
         copy_in_statements: BTreeSet::new(),
         copy_in_portals: BTreeSet::new(),
+        stale,
     }
     .session(steps)
 }
@@ -848,7 +944,7 @@ fn expect(step: &[Out], batch_failed: bool) -> Expect {
     }
     let ready = step
         .iter()
-        .filter(|m| matches!(m, Out::Sync | Out::Query(_)))
+        .filter(|m| matches!(m, Out::Sync | Out::Query(_) | Out::FunctionCall(_)))
         .count();
     if ready > 0 {
         return Expect::Ready(ready);
@@ -1151,24 +1247,91 @@ fn start_cluster() -> PgCluster {
     cluster
 }
 
+/// What to run, from the environment (see the module documentation).
+struct Run {
+    seeds: Vec<u64>,
+    sessions: usize,
+    steps: usize,
+    only_session: Option<usize>,
+    keep_going: bool,
+    drop: Omit,
+}
+
+impl Run {
+    /// `default_seeds` unless `PGFENCE_RANDOM_SEED(S)` says otherwise.
+    fn from_env(default_seeds: impl Iterator<Item = u64>) -> Run {
+        let seeds = match (
+            env_num("PGFENCE_RANDOM_SEED"),
+            env_num("PGFENCE_RANDOM_SEEDS"),
+        ) {
+            (Some(seed), _) => vec![seed],
+            (None, Some(count)) => {
+                let first = env_num("PGFENCE_RANDOM_FIRST_SEED").unwrap_or(1);
+                (first..first + count).collect()
+            }
+            (None, None) => default_seeds.collect(),
+        };
+        Run {
+            seeds,
+            sessions: env_num("PGFENCE_RANDOM_SESSIONS").unwrap_or(5) as usize,
+            steps: env_num("PGFENCE_RANDOM_STEPS").unwrap_or(25) as usize,
+            only_session: env_num("PGFENCE_RANDOM_SESSION").map(|s| s as usize),
+            keep_going: std::env::var("PGFENCE_RANDOM_KEEP_GOING").is_ok_and(|v| v == "1"),
+            drop: Omit::from_env(),
+        }
+    }
+
+    /// (seed, session number) of every session to run, in order.
+    fn cases(&self) -> Vec<(u64, usize)> {
+        let sessions = (0..self.sessions).filter(|&n| self.only_session.is_none_or(|s| s == n));
+        let sessions: Vec<usize> = sessions.collect();
+        self.seeds
+            .iter()
+            .flat_map(|&seed| sessions.iter().map(move |&n| (seed, n)))
+            .collect()
+    }
+
+    fn describe(&self) -> String {
+        let seeds = &self.seeds;
+        let which = if seeds.len() > 8 {
+            format!(
+                "{} from {} to {}",
+                seeds.len(),
+                seeds[0],
+                seeds[seeds.len() - 1]
+            )
+        } else {
+            format!("{seeds:?}")
+        };
+        let only = self
+            .only_session
+            .map(|s| format!(" (session {s} only)"))
+            .unwrap_or_default();
+        format!(
+            "seeds {which}{only}, {} sessions of {} steps per seed",
+            self.sessions, self.steps
+        )
+    }
+}
+
+/// Panics with the first line of every report and the first report in full, if any.
+fn fail_if_any(failures: &[String], what: &str) {
+    if let Some(first) = failures.first() {
+        let firsts: Vec<&str> = failures
+            .iter()
+            .map(|f| f.lines().next().unwrap_or_default())
+            .collect();
+        panic!(
+            "{} {what}:\n{}\n\nfirst one in full:\n{first}",
+            failures.len(),
+            firsts.join("\n"),
+        );
+    }
+}
+
 #[test]
 fn random_sessions_same_replies_direct_and_through_pgfence() {
-    let seeds: Vec<u64> = match (
-        env_num("PGFENCE_RANDOM_SEED"),
-        env_num("PGFENCE_RANDOM_SEEDS"),
-    ) {
-        (Some(seed), _) => vec![seed],
-        (None, Some(count)) => {
-            let first = env_num("PGFENCE_RANDOM_FIRST_SEED").unwrap_or(1);
-            (first..first + count).collect()
-        }
-        (None, None) => (1..=40).chain(REGRESSION_SEEDS.iter().copied()).collect(),
-    };
-    let sessions = env_num("PGFENCE_RANDOM_SESSIONS").unwrap_or(5) as usize;
-    let steps = env_num("PGFENCE_RANDOM_STEPS").unwrap_or(25) as usize;
-    let only_session = env_num("PGFENCE_RANDOM_SESSION").map(|s| s as usize);
-    let keep_going = std::env::var("PGFENCE_RANDOM_KEEP_GOING").is_ok_and(|v| v == "1");
-    let drop = Omit::from_env();
+    let plan = Run::from_env((1..=40).chain(REGRESSION_SEEDS.iter().copied()));
 
     let direct = start_cluster();
     let fenced = start_cluster();
@@ -1189,48 +1352,28 @@ fn random_sessions_same_replies_direct_and_through_pgfence() {
     let mut failures = Vec::new();
     let mut run = 0u64;
     let mut steps_run = 0usize;
-    eprintln!(
-        "protocol_random: seeds {}{}, {sessions} sessions of {steps} steps per seed",
-        if seeds.len() > 8 {
-            format!(
-                "{} from {} to {}",
-                seeds.len(),
-                seeds[0],
-                seeds[seeds.len() - 1]
-            )
-        } else {
-            format!("{seeds:?}")
-        },
-        only_session
-            .map(|s| format!(" (session {s} only)"))
-            .unwrap_or_default()
-    );
-    'seeds: for &seed in &seeds {
-        for number in 0..sessions {
-            if only_session.is_some_and(|s| s != number) {
-                continue;
-            }
-            // Tokens only increase over the clusters' life: the fence never rejects.
-            let token = 1000 + run;
-            run += 1;
-            let session = generate(seed, number, steps, token);
-            steps_run += session.steps.len();
-            let result = run_session(&targets, seed, number, &session, &drop);
-            if let Err(Failure::Direct(report)) = result {
-                let log = direct.server_log();
-                let tail: Vec<&str> = log.lines().rev().take(30).collect();
-                let tail: Vec<&str> = tail.into_iter().rev().collect();
-                panic!(
-                    "{report}\nthe direct server's log ends with:\n{}",
-                    tail.join("\n")
-                );
-            }
-            if let Err(Failure::Mismatch(report)) = result {
-                eprintln!("{report}");
-                failures.push(report);
-                if !keep_going {
-                    break 'seeds;
-                }
+    eprintln!("protocol_random: {}", plan.describe());
+    for (seed, number) in plan.cases() {
+        // Tokens only increase over the clusters' life: the fence never rejects.
+        let token = 1000 + run;
+        run += 1;
+        let session = generate(seed, number, plan.steps, token, false);
+        steps_run += session.steps.len();
+        let result = run_session(&targets, seed, number, &session, &plan.drop);
+        if let Err(Failure::Direct(report)) = result {
+            let log = direct.server_log();
+            let tail: Vec<&str> = log.lines().rev().take(30).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            panic!(
+                "{report}\nthe direct server's log ends with:\n{}",
+                tail.join("\n")
+            );
+        }
+        if let Err(Failure::Mismatch(report)) = result {
+            eprintln!("{report}");
+            failures.push(report);
+            if !plan.keep_going {
+                break;
             }
         }
     }
@@ -1239,18 +1382,7 @@ fn random_sessions_same_replies_direct_and_through_pgfence() {
         started.elapsed(),
         failures.len()
     );
-    if !failures.is_empty() {
-        let firsts: Vec<String> = failures
-            .iter()
-            .map(|f| f.lines().next().unwrap_or_default().to_string())
-            .collect();
-        panic!(
-            "{} session(s) with different replies:\n{}\n\nfirst one in full:\n{}",
-            failures.len(),
-            firsts.join("\n"),
-            failures[0]
-        );
-    }
+    fail_if_any(&failures, "session(s) with different replies");
     // The fence was really on: pgfence's check ran upstream (and pgfence hid it).
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -1273,4 +1405,278 @@ fn random_sessions_same_replies_direct_and_through_pgfence() {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// Objects the stale run's extra statements write through (to `r`, which the oracle reads).
+const STALE_SCHEMA: &str = "
+CREATE FUNCTION w(k int) RETURNS int LANGUAGE plpgsql
+    AS $$ BEGIN UPDATE r SET v = v + 1000 WHERE id = k; RETURN k; END $$;
+CREATE PROCEDURE p(k int) LANGUAGE sql AS $$ UPDATE r SET v = v + 2000 WHERE id = k $$;
+CREATE TABLE s (k int);
+CREATE FUNCTION s_to_r() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
+    INSERT INTO r VALUES (NEW.k + 50, 0) ON CONFLICT (id) DO UPDATE SET v = r.v + 1;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER s_to_r AFTER INSERT ON s FOR EACH ROW EXECUTE FUNCTION s_to_r();
+CREATE VIEW rv AS SELECT id, v FROM r;
+";
+
+/// The fence of both resources in the stale run: above every token its sessions get.
+const STALE_FENCE: u64 = 1_000_000;
+
+/// A side of the stale run.
+struct StaleSide {
+    mode: &'static str,
+    addr: SocketAddr,
+    /// The fence is on: nothing the session wrote may commit.
+    fenced: bool,
+}
+
+/// What the sessions of the stale run can have committed, read directly: every row of `r`
+/// with the transaction that wrote it (an UPDATE, DELETE or INSERT that committed shows,
+/// even if it put back the same values), and the prepared transactions left over.
+#[derive(Clone, PartialEq, Eq, Debug)]
+struct Committed {
+    rows: Vec<String>,
+    prepared: Vec<String>,
+}
+
+fn committed(observer: &mut RawConn) -> Committed {
+    let mut column = |sql: &str| -> Vec<String> {
+        observer.send(&wire::query(sql));
+        observer
+            .until_ready()
+            .iter()
+            .filter_map(Msg::data_row)
+            .map(|row| {
+                row.iter()
+                    .map(|c| String::from_utf8_lossy(c.as_deref().unwrap_or(b"NULL")).into_owned())
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            })
+            .collect()
+    };
+    Committed {
+        rows: column("SELECT id, v, xmin FROM r ORDER BY id"),
+        prepared: column("SELECT gid FROM pg_prepared_xacts ORDER BY gid"),
+    }
+}
+
+/// Runs one session on `addr`, reading each step's replies as the generator expects them;
+/// `Err` if the side did not answer so (it hung or closed), with the step. Returns the
+/// replies: to the login, then to each step from step 1.
+fn run_alone(
+    addr: SocketAddr,
+    session: &Session,
+    drop: &Omit,
+) -> Result<Vec<Replies>, (Vec<Replies>, usize)> {
+    let mut conn = RawConn::connect(addr);
+    conn.send(&session.startup());
+    let mut all = vec![read(&mut conn, Expect::Ready(1))];
+    if all[0].trouble.is_some() {
+        return Err((all, 0));
+    }
+    let mut batch_failed = false;
+    // Step 0 resets `r`: the harness does that directly.
+    for (i, step) in drop.apply(&session.steps).iter().filter(|(i, _)| *i > 0) {
+        let bytes: Vec<u8> = step.iter().flat_map(Out::bytes).collect();
+        let expect = expect(step, batch_failed);
+        let _ = conn.try_send(&bytes);
+        let replies = read(&mut conn, expect);
+        for m in &replies.msgs {
+            match m.tag {
+                b'E' => batch_failed = true,
+                b'Z' => batch_failed = false,
+                _ => {}
+            }
+        }
+        let trouble = replies.trouble.is_some();
+        all.push(replies);
+        if trouble {
+            end(&mut conn, &mut []);
+            return Err((all, *i));
+        }
+    }
+    Ok(all)
+}
+
+/// Logs in on `addr` with `options`, runs `sql` and expects no error.
+fn run_as_leader(addr: SocketAddr, options: &str, sql: &str) {
+    let mut conn = RawConn::login_with_options(addr, SUPERUSER, APP_DB, options);
+    conn.send(&wire::query(sql));
+    let replies = conn.until_ready();
+    assert!(
+        replies.iter().all(|m| m.tag != b'E'),
+        "the leader's write through {addr} failed: {replies:?}"
+    );
+    conn.send(&wire::terminate());
+    conn.until_closed();
+}
+
+/// The same random sessions, every token stale: both resources are fenced at
+/// [`STALE_FENCE`], and the database has a default resource (`rnd`), so that a write
+/// without a token is rejected too (FN002). Whatever a session sends, nothing it wrote may
+/// commit: after each session `r` must hold exactly the rows, written by exactly the
+/// transaction, it held before, and no prepared transaction may be left. Each session runs
+/// through pgfence with the fast path off (only the database check stands in the way), with
+/// the fast path on, and with the fence off, where writes must commit (the oracle is not
+/// blind). Seeds: 1 to 20 by default, or as `PGFENCE_RANDOM_SEED(S)` say.
+#[test]
+fn random_stale_sessions_never_commit_a_write() {
+    let plan = Run::from_env(1..=20);
+
+    let cluster = start_cluster();
+    cluster.psql(APP_DB, STALE_SCHEMA);
+    let w_oid = cluster.psql(APP_DB, "SELECT 'w(int)'::regprocedure::oid");
+    W_OID
+        .set(w_oid.trim().parse().expect("an oid"))
+        .expect("one stale run per process");
+    let proxy = |enabled: bool, fast_path: bool| {
+        let mut config = Proxy::config_for(&cluster);
+        config.fence.enabled = enabled;
+        config.fence.fast_path = fast_path;
+        config.fence.defaults.push(pgfence_config::DefaultResource {
+            database: APP_DB.to_string(),
+            user: None,
+            resource: RESOURCE.to_string(),
+        });
+        Proxy::start(config)
+    };
+    let checked = proxy(true, false);
+    let fast = proxy(true, true);
+    let off = proxy(false, false);
+    // The new leader writes to both resources through both fenced proxies: the database
+    // holds the fence, and the fast path has seen it.
+    for addr in [checked.addr(), fast.addr()] {
+        for resource in [RESOURCE, RESOURCE_2] {
+            run_as_leader(
+                addr,
+                &format!("-c fencing.resource={resource} -c fencing.token={STALE_FENCE}"),
+                // A write each time (`DO NOTHING` would not be one, and not be fenced).
+                "INSERT INTO r VALUES (100, 0) ON CONFLICT (id) DO UPDATE SET v = r.v + 1",
+            );
+        }
+    }
+    let sides = [
+        StaleSide {
+            mode: "fence on, fast path off",
+            addr: checked.addr(),
+            fenced: true,
+        },
+        StaleSide {
+            mode: "fence on, fast path on",
+            addr: fast.addr(),
+            fenced: true,
+        },
+        StaleSide {
+            mode: "fence off",
+            addr: off.addr(),
+            fenced: false,
+        },
+    ];
+    let (mut observer, _) = RawConn::login(
+        SocketAddr::from(([127, 0, 0, 1], cluster.port())),
+        SUPERUSER,
+        APP_DB,
+    );
+    observer.send(&wire::query(
+        "SELECT resource || ' ' || token FROM pgfence.fences ORDER BY resource",
+    ));
+    let fences: Vec<String> = observer
+        .until_ready()
+        .iter()
+        .filter_map(Msg::data_row)
+        .map(|row| String::from_utf8_lossy(row[0].as_deref().unwrap_or_default()).into_owned())
+        .collect();
+    assert_eq!(
+        fences,
+        [
+            format!("{RESOURCE} {STALE_FENCE}"),
+            format!("{RESOURCE_2} {STALE_FENCE}")
+        ],
+        "the leader's writes did not fence both resources"
+    );
+    eprintln!("protocol_random (stale): {}", plan.describe());
+    let started = Instant::now();
+    let mut failures = Vec::new();
+    let (mut run, mut rejections) = (0u64, 0usize);
+    let mut committed_unfenced = 0usize;
+    'sessions: for (seed, number) in plan.cases() {
+        let token = 1000 + run;
+        run += 1;
+        let session = generate(seed, number, plan.steps, token, true);
+        for side in &sides {
+            observer.send(&wire::query(
+                "TRUNCATE r; INSERT INTO r VALUES (1, 10), (2, 20), (3, 30)",
+            ));
+            observer.until_ready();
+            let before = committed(&mut observer);
+            let result = run_alone(side.addr, &session, &plan.drop);
+            let after = committed(&mut observer);
+            for gid in &after.prepared {
+                observer.send(&wire::query(format!("ROLLBACK PREPARED '{gid}'")));
+                observer.until_ready();
+            }
+            let replies = match &result {
+                Ok(r) | Err((r, _)) => r,
+            };
+            if side.fenced {
+                rejections += replies
+                    .iter()
+                    .flat_map(|r| &r.msgs)
+                    .filter(|m| m.tag == b'E')
+                    .filter(|m| m.sqlstate().is_some_and(|s| s.starts_with("FN")))
+                    .count();
+            } else {
+                committed_unfenced += usize::from(after != before);
+            }
+            let trouble = result.as_ref().err().map(|(_, at)| *at);
+            if !side.fenced || (after == before && trouble.is_none()) {
+                continue;
+            }
+            let mut report = format!(
+                "seed {seed}, session {number}, {}: {}\n\
+                 reproduce: PGFENCE_RANDOM_SEED={seed} PGFENCE_RANDOM_SESSION={number} \
+                 cargo test -p pgfence-tests --test protocol_random random_stale\n{}\n",
+                side.mode,
+                match trouble {
+                    Some(at) => format!("pgfence did not answer step {at} as expected"),
+                    None => "a stale session committed a write".to_string(),
+                },
+                session.describe_startup(),
+            );
+            if after != before {
+                report.push_str(&format!(
+                    "r before: {:?}\nr after:  {:?}\nprepared transactions left: {:?}\n",
+                    before.rows, after.rows, after.prepared
+                ));
+            }
+            let sent = plan.drop.apply(&session.steps);
+            for ((i, step), replies) in sent.iter().filter(|(i, _)| *i > 0).zip(&replies[1..]) {
+                report.push_str(&format!("  step {i}:\n"));
+                for (j, m) in step.iter().enumerate() {
+                    report.push_str(&format!("    {i}.{j} {m}\n"));
+                }
+                report.push_str(&show(replies));
+            }
+            eprintln!("{report}");
+            failures.push(report);
+            if !plan.keep_going {
+                break 'sessions;
+            }
+        }
+    }
+    eprintln!(
+        "protocol_random (stale): {run} sessions in {:.1?}: {} failing with the fence on \
+         ({rejections} FN rejections), {committed_unfenced} committed a write with the fence off",
+        started.elapsed(),
+        failures.len()
+    );
+    fail_if_any(&failures, "stale session(s) failed");
+    assert!(rejections > 0, "no FN rejection at all: was the fence on?");
+    assert!(
+        committed_unfenced * 2 >= run as usize,
+        "with the fence off only {committed_unfenced} of {run} sessions committed a write: \
+         the oracle may be blind"
+    );
 }
