@@ -194,7 +194,7 @@ async fn counters_move_by_what_happened() {
     );
 
     // The leader writes 7 through the other pgfence; then two stale writes (database path,
-    // then fast path), a missing token, an invalid token, and an unfenced write.
+    // then fast path), one for the default resource (fast path), a missing token, an invalid token, and an unfenced write.
     session(
         other.port(),
         APP_DB,
@@ -211,6 +211,13 @@ async fn counters_move_by_what_happened() {
             path,
         );
     }
+    // A token for the default resource: the fast path knows its fence too.
+    let d = session(proxy.port(), APP_DB, "-c fencing.token=6").await;
+    assert_rejected(
+        &d.batch_execute("INSERT INTO ledger VALUES (2)").await,
+        &fence::stale("billing", 6, 7),
+        "default resource",
+    );
     let m = session(proxy.port(), APP_DB, "").await;
     assert_rejected(
         &m.batch_execute("INSERT INTO ledger VALUES (3)").await,
@@ -252,12 +259,12 @@ async fn counters_move_by_what_happened() {
         )
     };
     assert_eq!(rejections("stale", "database"), 1.0, "{}", after.text);
-    assert_eq!(rejections("stale", "fast"), 1.0, "{}", after.text);
+    assert_eq!(rejections("stale", "fast"), 2.0, "{}", after.text);
     assert_eq!(rejections("missing", "database"), 1.0, "{}", after.text);
     assert_eq!(rejections("invalid", "database"), 1.0, "{}", after.text);
     let all_rejections: f64 = after.series(REJECTIONS).iter().map(|(_, v)| v).sum();
-    assert_eq!(all_rejections, 4.0, "{}", after.text);
-    assert_eq!(delta(&accepted, &after, CHECKS, &billing_rejected), 4.0);
+    assert_eq!(all_rejections, 5.0, "{}", after.text);
+    assert_eq!(delta(&accepted, &after, CHECKS, &billing_rejected), 5.0);
     assert_eq!(delta(&accepted, &after, CHECKS, &billing_accepted), 1.0);
     assert_eq!(
         delta(
@@ -293,23 +300,23 @@ async fn counters_move_by_what_happened() {
     assert_histogram(&after, QUERY_LATENCY);
     assert_eq!(
         after.must(CLIENTS, &[]),
-        4.0,
-        "a, m, unfenced, b:\n{}",
+        5.0,
+        "a, d, m, unfenced, b:\n{}",
         after.text
     );
-    assert_eq!(after.must(UPSTREAMS, &[]), 4.0, "{}", after.text);
+    assert_eq!(after.must(UPSTREAMS, &[]), 5.0, "{}", after.text);
     assert_eq!(after.must(UPSTREAM_ERRORS, &[]), 0.0);
 
     // Sessions closed: the gauges go back to 0, their idle server connections are kept.
     assert_eq!(after.must(UPSTREAMS_IDLE, &[]), 0.0, "{}", after.text);
-    drop((a, m, unfenced, b));
+    drop((a, d, m, unfenced, b));
     eventually(
-        "the connection gauges back to 0, four idle upstream connections",
+        "the connection gauges back to 0, five idle upstream connections",
         || {
             let e = scrape(metrics);
             (e.must(CLIENTS, &[]) == 0.0
                 && e.must(UPSTREAMS, &[]) == 0.0
-                && e.must(UPSTREAMS_IDLE, &[]) == 4.0)
+                && e.must(UPSTREAMS_IDLE, &[]) == 5.0)
                 .then_some(())
         },
         || scrape(metrics).text,

@@ -98,8 +98,9 @@ pub struct FenceSettings {
     pub default_resource: Option<String>,
     pub allow_missing: Vec<String>,
     pub client: String,
-    /// Resource and token from the startup packet, while the session has sent nothing that
-    /// could change them (the fast path's knowledge of the session token).
+    /// Resource (or else the default resource) and token from the startup packet, while
+    /// the session has sent nothing that could change them (the fast path's knowledge of
+    /// the session token).
     pub session_resource: Option<Resource>,
     pub session_token: Option<Token>,
     /// pgfence's statements exist on the upstream connection: the checks (by
@@ -158,12 +159,23 @@ impl FenceSettings {
             .default_resource(database, user)
             .map(str::to_string);
         let looks_fenced = !settings.is_empty() || default_resource.is_some();
+        let mut names_resource = false;
         for (name, value) in settings {
             match name.as_str() {
-                "fencing.resource" => session_resource = Resource::parse(value.as_bytes()).ok(),
+                "fencing.resource" => {
+                    names_resource = true;
+                    session_resource = Resource::parse(value.as_bytes()).ok();
+                }
                 "fencing.token" => session_token = Token::parse(value.as_bytes()).ok(),
                 _ => {}
             }
+        }
+        if !names_resource {
+            // The check falls back on the default resource too (an invalid one named at
+            // startup is the server's to report).
+            session_resource = default_resource
+                .as_deref()
+                .and_then(|r| Resource::parse(r.as_bytes()).ok());
         }
         FenceSettings {
             // A replication connection takes replication commands, which pgfence's own
