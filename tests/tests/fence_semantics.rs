@@ -1057,6 +1057,30 @@ async fn non_transactional_statements_are_prechecked() {
     assert_eq!(fx.count("pg_class WHERE relname = 'nt_current'").await, 1);
 }
 
+/// A pre-check that fails stands for the batch it was held for: pgfence skips the rest of
+/// it up to Sync, as PostgreSQL does after an error. A Terminate there still ends the
+/// session, as it ends PostgreSQL's skipping (found by `protocol_random`'s stale run: the
+/// session hung, its server connection with it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn terminate_after_a_failed_pre_check_ends_the_session() {
+    let (fx, options) = Fixture::after_leader_34("pre_term", |_| {}).await;
+    let mut stale = fx.raw_session(&options);
+    stale.send(
+        &[
+            wire::parse("", "VACUUM pre_term", &[]),
+            wire::bind("", "", &[]),
+            wire::execute("", 0),
+            wire::flush(),
+        ]
+        .concat(),
+    );
+    let replies = stale.until(|m| m.tag == b'E');
+    wire::assert_error(replies.last().unwrap(), "ERROR", "FN001");
+    stale.send(&wire::terminate());
+    let after = stale.until_closed();
+    assert!(after.is_empty(), "{after:?}");
+}
+
 /// The pre-check is forced: it rejects a stale token whether or not anything was written,
 /// unlike the commit checks a session ran before it. pgfence keeps the check's message of
 /// each kind per session and must not hand the pre-check a commit's (the fast path is off,

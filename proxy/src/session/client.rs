@@ -107,10 +107,15 @@ impl Session {
             return Err(SessionError::UnexpectedClientMessage(tag as char));
         };
         if let Some(status) = self.discard_until_sync {
-            // A failed precheck stands for this batch: the server never sees it.
-            if kind == Frontend::Sync {
-                self.discard_until_sync = None;
-                msg::ready_for_query(&mut self.to_client, status);
+            // A failed precheck stands for this batch: the server never sees it. Terminate
+            // still ends the session, as it ends PostgreSQL's skipping to Sync.
+            match kind {
+                Frontend::Sync => {
+                    self.discard_until_sync = None;
+                    msg::ready_for_query(&mut self.to_client, status);
+                }
+                Frontend::Terminate => return Ok(Flow::Terminate),
+                _ => {}
             }
             return Ok(Flow::Continue);
         }
