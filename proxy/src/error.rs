@@ -47,6 +47,8 @@ pub enum SessionError {
     Killed,
     #[error("client_encoding {0} is not supported through pgfence: its multi-byte characters can hide statement boundaries from the fence")]
     UnsupportedEncoding(String),
+    #[error("pgfence cannot tell where the statements of this Query end: it holds a \\' in a literal, and standard_conforming_strings may change in the unsynced extended-protocol messages before it (send Sync before the Query)")]
+    QueryLexingInDoubt,
     #[error("user {0:?} may not use the pgfence admin console (admin.users)")]
     NotAdmin(String),
     #[error("the client sent data before pgfence answered its encryption request")]
@@ -78,7 +80,8 @@ impl SessionError {
             | SessionError::TlsHandshake(_)
             | SessionError::TlsRequired(_)
             | SessionError::CertificateUserMismatch { .. }
-            | SessionError::ChannelBindingThroughProxy => Side::Client,
+            | SessionError::ChannelBindingThroughProxy
+            | SessionError::QueryLexingInDoubt => Side::Client,
             SessionError::ServerIo(_)
             | SessionError::ServerFrame(_)
             | SessionError::UnexpectedServerMessage(_)
@@ -95,7 +98,7 @@ impl SessionError {
     fn sqlstate(&self) -> &'static str {
         match self {
             SessionError::TooManyClients(_) => "53300",
-            SessionError::UnsupportedEncoding(_) => "0A000",
+            SessionError::UnsupportedEncoding(_) | SessionError::QueryLexingInDoubt => "0A000",
             SessionError::NotAdmin(_)
             | SessionError::TlsRequired(_)
             | SessionError::CertificateUserMismatch { .. }

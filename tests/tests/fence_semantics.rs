@@ -1361,7 +1361,9 @@ fn expect_raw_rejection(conn: &mut RawConn, context: &str) {
 /// new text for it. A stale session once wrote by parsing `SELECT 1` over its prepared
 /// INSERT's name, then executing the name: pgfence saw a read, the server ran the INSERT.
 /// Later (found by `protocol_random`'s stale run) the same with the Parse sent after the
-/// error had come back, in a batch the client had flushed and not synced: nothing undid it.
+/// error had come back, in a batch the client had flushed and not synced: nothing undid it;
+/// with two such Parses in flight, whose second put back what the first had not done; and
+/// with the name bound in the next batch, sent before the refusal came back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_or_skipped_parse_does_not_change_what_pgfence_thinks_a_name_runs() {
     for fast_path in [true, false] {
@@ -1418,7 +1420,47 @@ async fn a_refused_or_skipped_parse_does_not_change_what_pgfence_thinks_a_name_r
         );
         let replies = stale.until_ready();
         assert_eq!(replies.len(), 1, "all skipped: {replies:?}");
-        for name in ["s1", "s2", "s3"] {
+        // Refused twice in one write: the second Parse was sent as if the first had
+        // happened, so what it puts back is what the first did.
+        stale.send(&[wire::parse("s4", insert, &[]), wire::sync()].concat());
+        stale.until_ready();
+        let refused = [wire::parse("s4", "SELECT 1", &[]), wire::sync()].concat();
+        stale.send(&refused.repeat(2));
+        for _ in 0..2 {
+            wire::assert_error(&stale.until_ready()[0], "ERROR", "42P05");
+        }
+        // Refused, with a Bind of the name in the next batch, sent before the refusal came
+        // back (the error does not skip it): the Bind runs the INSERT.
+        stale.send(&[wire::parse("s5", insert, &[]), wire::sync()].concat());
+        stale.until_ready();
+        stale.send(
+            &[
+                wire::parse("s5", "SELECT 1", &[]),
+                wire::sync(),
+                run_statement("s5"),
+            ]
+            .concat(),
+        );
+        wire::assert_error(&stale.until_ready()[0], "ERROR", "42P05");
+        expect_raw_rejection(
+            &mut stale,
+            &format!("fast_path = {fast_path}, s5 pipelined"),
+        );
+        // The same with the unnamed statement, its Parse skipped: the server keeps the
+        // INSERT parsed before the error.
+        stale.send(
+            &[
+                wire::parse("", insert, &[]),
+                wire::bind("", "nope", &[]),
+                wire::parse("", "SELECT 1", &[]),
+                wire::sync(),
+                run_statement(""),
+            ]
+            .concat(),
+        );
+        wire::assert_error(&stale.until_ready()[1], "ERROR", "26000");
+        expect_raw_rejection(&mut stale, &format!("fast_path = {fast_path}, unnamed"));
+        for name in ["s1", "s2", "s3", "s4"] {
             stale.send(&run_statement(name));
             expect_raw_rejection(&mut stale, &format!("fast_path = {fast_path}, {name}"));
         }
@@ -1530,6 +1572,85 @@ async fn a_statement_pgfence_cannot_know_is_checked_as_if_it_committed() {
         expect_raw_rejection(&mut stale, &format!("{forget}, extended"));
     }
     assert_eq!(fx.count("unknown_names WHERE tag LIKE 'stale%'").await, 0);
+}
+
+/// `standard_conforming_strings` decides where a literal holding `\'` ends, so where a
+/// Query's statements end and what a statement calls. The server reads a Query or Parse
+/// pipelined behind a change of it under the new setting, which pgfence learns only from
+/// the ReadyForQuery after the change: it waits for it before it reads such a text. In the
+/// middle of a batch none is owed: a Parse there is taken for a statement pgfence does not
+/// know (checked as if it committed), a Query ends the session with an error that says
+/// why. A stale session once committed a write this way
+/// (found by `protocol_random`'s stale run, seed 1263): pgfence took `-- '; INSERT ...;
+/// COMMIT` for a comment, the server ran the INSERT and committed it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_pipelined_behind_a_change_of_standard_conforming_strings_is_read_as_the_server_reads_it(
+) {
+    let (fx, options) = Fixture::after_leader_34("scs", |c| {
+        // The fast path would reject what it sees; here it must see what the server runs.
+        c.fence.fast_path = false;
+    })
+    .await;
+    fx.direct
+        .batch_execute(
+            "CREATE FUNCTION scs_w() RETURNS int LANGUAGE sql \
+             AS $$ INSERT INTO scs VALUES ('stale via a call') RETURNING 1 $$",
+        )
+        .await
+        .unwrap();
+    // With `off`, one literal and a comment; with `on` (pgfence's view before the reply),
+    // a literal, then a comment to the end.
+    let hidden = "SELECT 'x\\'; SELECT 1; -- '; INSERT INTO scs VALUES ('stale'); COMMIT; SELECT 2";
+    for set in [
+        wire::query("SET standard_conforming_strings = off"),
+        [
+            wire::parse("", "SET standard_conforming_strings = off", &[]),
+            wire::bind("", "", &[]),
+            wire::execute("", 0),
+            wire::sync(),
+        ]
+        .concat(),
+    ] {
+        let mut stale = fx.raw_session(&options);
+        stale.send(&[set, wire::query(hidden)].concat());
+        stale.until_ready();
+        expect_raw_rejection(&mut stale, "the Query behind the SET");
+    }
+    // The other way round, in the middle of a batch: `off` known, then `RESET` and a Parse
+    // that with `on` calls a function that writes (with `off` it is one literal).
+    let mut stale = fx.raw_session(&options);
+    stale.send(&wire::query("SET standard_conforming_strings = off"));
+    stale.until_ready();
+    stale.send(
+        &[
+            wire::parse("", "RESET standard_conforming_strings", &[]),
+            wire::bind("", "", &[]),
+            wire::execute("", 0),
+            wire::parse("", "SELECT 'x\\' , scs_w() --'", &[]),
+            wire::bind("", "", &[]),
+            wire::execute("", 0),
+            wire::sync(),
+        ]
+        .concat(),
+    );
+    expect_raw_rejection(&mut stale, "the Parse behind the RESET");
+    // A Query right behind unsynced extended-protocol messages that may change the setting:
+    // no ReadyForQuery would tell pgfence before the server reads it. The session ends.
+    let mut stale = fx.raw_session(&options);
+    stale.send(
+        &[
+            wire::parse("", "SET standard_conforming_strings = off", &[]),
+            wire::bind("", "", &[]),
+            wire::execute("", 0),
+            wire::query(hidden),
+        ]
+        .concat(),
+    );
+    let replies = stale.until_closed();
+    let fatal = replies.iter().find(|m| m.tag == b'E').expect("an error");
+    let text = wire::assert_error(fatal, "FATAL", "0A000");
+    assert!(text.contains("send Sync before the Query"), "{text}");
+    assert_eq!(fx.count("scs WHERE tag LIKE 'stale%'").await, 0);
 }
 
 /// `ROLLBACK TO SAVEPOINT` in a failed block revives it, with what it wrote before the

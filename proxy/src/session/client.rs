@@ -238,8 +238,34 @@ impl Session {
             PreparedInSql::No => {}
             PreparedInSql::Name(name) => {
                 self.statements.remove(name);
+                self.names_forgotten = true;
             }
-            PreparedInSql::Unknown => self.statements.clear(),
+            PreparedInSql::Unknown => {
+                self.statements.clear();
+                self.names_forgotten = true;
+            }
+        }
+    }
+
+    /// Whether a statement pgfence knew as `old` (`None`: none) runs as `new` does, as far as
+    /// the fence cares: the same kinds of statements, with the same fencing comments.
+    fn same_for_the_fence(&self, old: Option<&Arc<Prepared>>, new: Option<&Arc<Prepared>>) -> bool {
+        match (old, new) {
+            (Some(old), Some(new)) => {
+                let kinds = |p: &Prepared| {
+                    p.analysis
+                        .statements
+                        .iter()
+                        .map(|s| s.kind)
+                        .collect::<Vec<_>>()
+                };
+                old.copy_in == new.copy_in
+                    && old.analysis.directives == new.analysis.directives
+                    && kinds(old) == kinds(new)
+            }
+            // Nothing of that name on the server: a refused Parse leaves the Bind failing.
+            (None, _) => !self.names_forgotten,
+            (Some(_), None) => false,
         }
     }
 
@@ -268,6 +294,23 @@ impl Session {
         Flow::Hold
     }
 
+    /// Whether where `sql`'s statements end, and so what they are, depends on
+    /// `standard_conforming_strings` (a `\'` in a plain literal) while a change of it may be
+    /// in flight: the server parses `sql` under the setting its requests before `sql` leave,
+    /// which pgfence learns (ParameterStatus) only with the ReadyForQuery that ends them. A
+    /// Query sent behind a `SET standard_conforming_strings = off` once hid a `COMMIT` from
+    /// pgfence this way (a literal to pgfence, a statement to the server) and committed a
+    /// stale write. Such a text waits for that ReadyForQuery when one is owed.
+    fn lexing_in_doubt(&self, sql: &[u8]) -> bool {
+        if !self.fence.enabled || self.replies.is_empty() || memchr::memchr(b'\\', sql).is_none() {
+            return false;
+        }
+        let other = LexOptions {
+            standard_conforming_strings: !self.lex.standard_conforming_strings,
+        };
+        analyze_with(sql, self.lex) != analyze_with(sql, other)
+    }
+
     /// Whether a request running `analysis` waits for the replies in flight before pgfence
     /// plans its check, because where the check goes depends on them (see
     /// [`super::tx::TxState::placement_depends_on_replies`]): a pipelined COMMIT of a block
@@ -294,6 +337,12 @@ impl Session {
 
     fn on_query(&mut self, frame: &[u8]) -> Result<Flow, SessionError> {
         let sql = msg::query_text(frame).ok_or(SessionError::MalformedClientMessage("Query"))?;
+        if self.lexing_in_doubt(sql) {
+            if !self.replies.ends_at_sync_point() {
+                return Err(SessionError::QueryLexingInDoubt);
+            }
+            return Ok(self.hold_until_answered());
+        }
         self.shared.stats.queries.add();
         // Analysed where it lies, without the copies a prepared statement keeps.
         let analysis = &self.analyze(sql);
@@ -523,6 +572,22 @@ impl Session {
     fn on_parse(&mut self, frame: &[u8]) -> Result<Flow, SessionError> {
         let (name, sql) =
             msg::parse_message(frame).ok_or(SessionError::MalformedClientMessage("Parse"))?;
+        if self.lexing_in_doubt(sql) {
+            if self.replies.ends_at_sync_point() {
+                return Ok(self.hold_until_answered());
+            }
+            // In the middle of a batch: the server would report the setting only at its
+            // Sync. The statement is one pgfence does not know, which may run anything (a
+            // portal of it is checked as if it committed).
+            let before = if name.is_empty() {
+                self.unnamed_statement.take()
+            } else {
+                self.names_forgotten = true;
+                self.statements.remove(name)
+            };
+            self.forward_named(frame, Request::Parse, name, before);
+            return Ok(Flow::Continue);
+        }
         // Drivers that use the unnamed statement (pgbench -M extended, JDBC, psycopg) parse
         // the same text again and again: keep its analysis.
         let same = name.is_empty()
@@ -566,7 +631,15 @@ impl Session {
     fn on_bind(&mut self, frame: &[u8]) -> Result<Flow, SessionError> {
         let (portal, statement) =
             msg::bind_names(frame).ok_or(SessionError::MalformedClientMessage("Bind"))?;
-        let prepared = self.statement(statement);
+        let mut prepared = self.statement(statement);
+        if let Some(old) = self.replies.parse_in_earlier_batch(statement) {
+            // That Parse may yet be refused, and then this Bind runs the statement the name
+            // had (an error in an earlier batch does not skip it): unless both run alike,
+            // the portal is one pgfence does not know.
+            if !self.same_for_the_fence(old, prepared.as_ref()) {
+                prepared = None;
+            }
+        }
         let non_transactional = prepared.as_ref().is_some_and(|p| {
             matches!(&*p.analysis.statements, [only] if only.kind == StatementKind::NonTransactional)
         });

@@ -505,6 +505,7 @@ impl Session {
                     // Analyses made under the old setting are not reused (a portal pgfence
                     // no longer knows is treated as one that may write).
                     self.unnamed_statement = None;
+                    self.names_forgotten = true;
                 }
                 self.lex.standard_conforming_strings = scs;
             }

@@ -514,6 +514,10 @@ pub(crate) struct Session {
     tx: TxState,
     fence: FenceSettings,
     statements: Names,
+    /// pgfence has forgotten a statement the server may still have (a SQL `PREPARE`, a
+    /// Parse it could not read, the unnamed one after `standard_conforming_strings`
+    /// changed): a name it does not know may stand for something.
+    names_forgotten: bool,
     unnamed_statement: Option<Arc<Prepared>>,
     portals: Names,
     unnamed_portal: Option<Arc<Prepared>>,
@@ -608,6 +612,7 @@ impl Session {
             replies: Replies::default(),
             fence,
             statements: Names::default(),
+            names_forgotten: false,
             unnamed_statement: None,
             portals: Names::default(),
             unnamed_portal: None,

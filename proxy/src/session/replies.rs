@@ -130,6 +130,8 @@ pub struct Pending {
 #[derive(Debug, Default)]
 pub struct Replies {
     queue: VecDeque<Pending>,
+    /// How many client Parses are in the queue (see [`Self::parse_in_earlier_batch`]).
+    parses: u32,
 }
 
 impl Replies {
@@ -147,6 +149,9 @@ impl Replies {
     /// A client's Parse or Bind of statement or portal `name`.
     #[inline]
     pub fn push_named(&mut self, request: Request, name: &[u8], before: Option<Arc<Prepared>>) {
+        if request == Request::Parse {
+            self.parses += 1;
+        }
         self.queue.push_back(Pending {
             request,
             origin: Origin::Client,
@@ -155,6 +160,42 @@ impl Replies {
             name: (!name.is_empty()).then(|| name.into()),
             before,
         });
+    }
+
+    /// A client's Parse of statement `name` (empty: the unnamed one) in flight in an
+    /// earlier batch than what is sent next (a Query, Sync or FunctionCall went after it):
+    /// the server may yet refuse or skip it and keep the statement the name had, which a
+    /// Bind sent now would run, because the error does not skip the Bind. Returns that
+    /// statement as pgfence knew it (the Parse's `before`).
+    pub fn parse_in_earlier_batch(&self, name: &[u8]) -> Option<Option<&Arc<Prepared>>> {
+        if self.parses == 0 {
+            return None;
+        }
+        let name = (!name.is_empty()).then_some(name);
+        let mut synced = false;
+        for p in self.queue.iter().rev() {
+            if p.request.is_sync_point() {
+                synced = true;
+            } else if p.request == Request::Parse
+                && p.origin == Origin::Client
+                && p.name.as_deref() == name
+            {
+                return synced.then_some(p.before.as_ref());
+            }
+        }
+        None
+    }
+
+    /// The first client Parse or Bind (`request`) of statement or portal `name` (`None`:
+    /// the unnamed one) still owed a reply.
+    pub fn next_named_mut(
+        &mut self,
+        request: Request,
+        name: Option<&[u8]>,
+    ) -> Option<&mut Pending> {
+        self.queue.iter_mut().find(|p| {
+            p.request == request && p.origin == Origin::Client && p.name.as_deref() == name
+        })
     }
 
     #[inline]
@@ -180,7 +221,13 @@ impl Replies {
 
     #[inline]
     pub fn pop(&mut self) -> Option<Pending> {
-        self.queue.pop_front()
+        let p = self.queue.pop_front();
+        if let Some(p) = &p {
+            if p.request == Request::Parse && p.origin == Origin::Client {
+                self.parses -= 1;
+            }
+        }
+        p
     }
 
     #[inline]
@@ -235,7 +282,7 @@ impl Replies {
             .front()
             .is_some_and(|p| !p.request.is_sync_point())
         {
-            skipped.extend(self.queue.pop_front());
+            skipped.extend(self.pop());
         }
         skipped
     }

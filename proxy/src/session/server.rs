@@ -326,13 +326,36 @@ impl Session {
     ///   is the error of a request refused, `None` for one skipped. Except after a refused
     ///   Parse of the unnamed statement, which the server dropped first (a portal of a
     ///   statement pgfence does not know counts as one that may run anything), and a Bind
-    ///   that failed after it created its portal (see [`BIND_ERRORS_BEFORE_PORTAL`]).
+    ///   that failed after it created its portal (see [`BIND_ERRORS_BEFORE_PORTAL`]). When a
+    ///   later request of the same name is in flight, it is that request's `before` that
+    ///   changes: it was sent as if this one had happened.
     fn refused(&mut self, request: Pending, failed_with: Option<&[u8]>) {
         self.fence.not_prepared(request.origin);
         if request.origin != Origin::Client {
             return;
         }
         let before = request.before;
+        // What the name stands for on the server now.
+        let now = match request.request {
+            Request::Parse if request.name.is_none() => before.filter(|_| failed_with.is_none()),
+            Request::Parse => before,
+            Request::Bind => match failed_with {
+                Some(code) if !BIND_ERRORS_BEFORE_PORTAL.contains(&code) => {
+                    Some(self.prepared(b""))
+                }
+                _ => before,
+            },
+            _ => return,
+        };
+        // A later request of that name in flight was sent as if this one had happened: what
+        // it would put back is `now`. Otherwise pgfence's view of the name is `now`.
+        if let Some(next) = self
+            .replies
+            .next_named_mut(request.request, request.name.as_deref())
+        {
+            next.before = now;
+            return;
+        }
         let put = |names: &mut super::Names, name: Box<[u8]>, p: Option<Arc<Prepared>>| {
             match p {
                 Some(p) => names.insert(name, p),
@@ -340,23 +363,10 @@ impl Session {
             };
         };
         match (request.request, request.name) {
-            (Request::Parse, None) => {
-                self.unnamed_statement = before.filter(|_| failed_with.is_none());
-            }
-            (Request::Parse, Some(name)) => put(&mut self.statements, name, before),
-            (Request::Bind, name) => {
-                let portal = match failed_with {
-                    Some(code) if !BIND_ERRORS_BEFORE_PORTAL.contains(&code) => {
-                        Some(self.prepared(b""))
-                    }
-                    _ => before,
-                };
-                match name {
-                    None => self.unnamed_portal = portal,
-                    Some(name) => put(&mut self.portals, name, portal),
-                }
-            }
-            _ => {}
+            (Request::Parse, None) => self.unnamed_statement = now,
+            (Request::Parse, Some(name)) => put(&mut self.statements, name, now),
+            (_, None) => self.unnamed_portal = now,
+            (_, Some(name)) => put(&mut self.portals, name, now),
         }
     }
 
