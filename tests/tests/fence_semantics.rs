@@ -1446,6 +1446,24 @@ async fn a_refused_or_skipped_parse_does_not_change_what_pgfence_thinks_a_name_r
             &mut stale,
             &format!("fast_path = {fast_path}, s5 pipelined"),
         );
+        // The same with the Bind in the middle of its batch, where pgfence cannot wait for
+        // the answer: a portal it cannot see.
+        stale.send(&[wire::parse("s6", insert, &[]), wire::sync()].concat());
+        stale.until_ready();
+        stale.send(
+            &[
+                wire::parse("s6", "SELECT 1", &[]),
+                wire::sync(),
+                wire::describe(b'S', "s6"),
+                run_statement("s6"),
+            ]
+            .concat(),
+        );
+        wire::assert_error(&stale.until_ready()[0], "ERROR", "42P05");
+        expect_raw_rejection(
+            &mut stale,
+            &format!("fast_path = {fast_path}, s6 mid-batch"),
+        );
         // The same with the unnamed statement, its Parse skipped: the server keeps the
         // INSERT parsed before the error.
         stale.send(

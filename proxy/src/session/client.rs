@@ -633,10 +633,14 @@ impl Session {
             msg::bind_names(frame).ok_or(SessionError::MalformedClientMessage("Bind"))?;
         let mut prepared = self.statement(statement);
         if let Some(old) = self.replies.parse_in_earlier_batch(statement) {
-            // That Parse may yet be refused, and then this Bind runs the statement the name
-            // had (an error in an earlier batch does not skip it): unless both run alike,
-            // the portal is one pgfence does not know.
+            // That Parse may yet be refused or skipped, and then this Bind runs the statement
+            // the name had (an error in an earlier batch does not skip it). Unless both run
+            // alike, the Bind waits for the answer when it starts a batch; in the middle of
+            // one the portal is one pgfence does not know.
             if !self.same_for_the_fence(old, prepared.as_ref()) {
+                if self.replies.ends_at_sync_point() {
+                    return Ok(self.hold_until_answered());
+                }
                 prepared = None;
             }
         }
