@@ -730,6 +730,25 @@ fn copy_and_block_steps() -> Vec<Step> {
             Ready(1),
         ),
         step("rolled back", q("ROLLBACK"), Ready(1)),
+        // Skipped to the Sync: what the client sends after an error it has read, in a batch
+        // it flushed and did not sync. pgfence once ran a pre-check there for a VACUUM, whose
+        // own Sync ended the skipping (26000 for the skipped Parse's statement).
+        step(
+            "a flushed batch that fails",
+            cat(&[wire::describe(b'S', "nope"), wire::flush()]),
+            Tag(b'E'),
+        ),
+        step(
+            "a VACUUM and a Query in the skipped rest of it",
+            cat(&[
+                wire::parse("vb", "VACUUM cp", &[]),
+                wire::bind("", "vb", &[]),
+                wire::execute("", 0),
+                q("INSERT INTO cp VALUES (40)"),
+                s(),
+            ]),
+            Ready(1),
+        ),
         step("count", q("SELECT count(*) FROM cp"), Ready(1)),
         step("terminate", wire::terminate(), Closed),
     ]

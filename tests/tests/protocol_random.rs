@@ -120,9 +120,12 @@ use rand::{Rng, SeedableRng};
 /// and 5480, transaction control run under a name pgfence had forgotten (its check's
 /// portal outlived the check, and the next check could not bind it); 5625, a `DEALLOCATE
 /// ALL` behind a check whose statement was being prepared; 5678, 5732 and 5764, a portal
-/// whose Bind failed after creating it, executed in the failed block (EmptyQueryResponse).
+/// whose Bind failed after creating it, executed in the failed block (EmptyQueryResponse);
+/// 9717, a Bind of a name whose Parse was in doubt checked before its Execute in a block
+/// that had failed (the client's `ROLLBACK TO` skipped); 10281, a pre-check run for a
+/// `VACUUM` sent after a flushed batch had failed (its Sync ended the server's skipping).
 const REGRESSION_SEEDS: &[u64] = &[
-    1094, 1242, 2341, 2509, 2860, 5146, 5322, 5480, 5625, 5678, 5732, 5764,
+    1094, 1242, 2341, 2509, 2860, 5146, 5322, 5480, 5625, 5678, 5732, 5764, 9717, 10281,
 ];
 
 /// The fencing resource of the token sessions.
@@ -1428,8 +1431,10 @@ CREATE VIEW rv AS SELECT id, v FROM r;
 /// session hung, run by default too: 981, a Terminate after a failed pre-check ignored;
 /// 1263, a Query behind `SET standard_conforming_strings = off` read under the old setting;
 /// 1500 and 1964, a Bind in a later batch of a statement whose Parse the server skipped or
-/// refused; 1638, two refused Parses of one name in flight.
-const STALE_REGRESSION_SEEDS: &[u64] = &[981, 1263, 1500, 1638, 1964];
+/// refused; 1638, two refused Parses of one name in flight; 3611, pgfence acting on messages
+/// the server skipped after a flushed batch had failed (fixed with seed 10281 of
+/// [`REGRESSION_SEEDS`]).
+const STALE_REGRESSION_SEEDS: &[u64] = &[981, 1263, 1500, 1638, 1964, 3611];
 
 /// The fence of both resources in the stale run: above every token its sessions get.
 const STALE_FENCE: u64 = 1_000_000;

@@ -119,6 +119,16 @@ impl Session {
             }
             return Ok(Flow::Continue);
         }
+        if self.skipping_to_sync {
+            match kind {
+                Frontend::Sync => self.skipping_to_sync = false,
+                Frontend::Terminate => {}
+                _ => {
+                    self.to_server.extend_from_slice(frame);
+                    return Ok(Flow::Continue);
+                }
+            }
+        }
         if self.copy_through {
             return Ok(self.copy_through_hold(kind, frame));
         }

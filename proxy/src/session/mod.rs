@@ -529,6 +529,10 @@ pub(crate) struct Session {
     /// After a failed precheck of an extended-protocol batch: drop client messages up to
     /// the Sync, answer it with ReadyForQuery of this status.
     discard_until_sync: Option<u8>,
+    /// An extended-protocol request failed and the client has not sent the Sync that ends
+    /// its batch: the server skips everything up to it (Terminate aside), so pgfence passes
+    /// it on as it is, adding nothing and learning nothing from it.
+    skipping_to_sync: bool,
     /// An injected check failed and its error was forwarded: the client's COMMIT that
     /// follows reports `ROLLBACK`, which the client must not see.
     check_failed: bool,
@@ -619,6 +623,7 @@ impl Session {
             hold: Hold::None,
             copy_through: false,
             discard_until_sync: None,
+            skipping_to_sync: false,
             check_failed: false,
             last_sql: None,
             last_write: None,

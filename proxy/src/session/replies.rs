@@ -274,7 +274,8 @@ impl Replies {
     }
 
     /// After an error in the extended protocol the server skips every message up to the
-    /// next Sync: drops their entries and returns them (none of them happened).
+    /// next Sync: drops their entries and returns them (none of them happened). It skips a
+    /// Query too, which stays in the queue: see `Session::sync_after_skipped_commit`.
     pub fn skip_to_sync(&mut self) -> Vec<Pending> {
         let mut skipped = Vec::new();
         while self

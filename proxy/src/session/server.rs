@@ -237,6 +237,8 @@ impl Session {
         if !request.is_sync_point() {
             let failed = self.replies.pop();
             let skipped = self.replies.skip_to_sync();
+            // No Sync in flight: the server skips what the client sends up to its Sync.
+            self.skipping_to_sync = self.replies.is_empty();
             // The client's COMMIT is the first of its messages skipped after a check.
             skips_client_work = skipped
                 .iter()
