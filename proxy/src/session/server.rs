@@ -432,16 +432,13 @@ impl Session {
         // before it got no reply: the server skipped it, after an error that came before
         // it was sent (see `on_error` for those sent before the error).
         let mut answered = None;
-        let mut skipped = Vec::new();
         while let Some(p) = self.replies.pop() {
             if p.request.is_sync_point() {
                 answered = Some(p.origin);
                 break;
             }
-            skipped.push(p);
-        }
-        // Undone last first, as in `on_error`.
-        for p in skipped.into_iter().rev() {
+            // Undone first first: a later request of the same name is still in the queue
+            // and gets what this one leaves (see `refused`).
             self.refused(p, None);
         }
         let settled = self.replies.is_empty();
