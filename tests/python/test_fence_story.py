@@ -89,7 +89,7 @@ class Story:
         return insert
 
     def expect_fast(self):
-        return FAST and self.source in ("options", "comment", "sqlcommenter")
+        return FAST and self.source in ("options", "comment", "sqlcommenter", "default")
 
     def transaction(self, conn, who, token):
         """Runs one transaction of `who`; returns the error raised, if any, and where."""

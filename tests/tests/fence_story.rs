@@ -70,12 +70,12 @@ const SOURCES: [Source; 5] = [
 
 impl Source {
     /// Whether pgfence itself knows the token and the resource of a write, so that the fast
-    /// path (when on) rejects a stale one before it runs. A `SET` goes by the server, and the
-    /// configured default resource is resolved by the check.
+    /// path (when on) rejects a stale one before it runs. A `SET` goes by the server; the
+    /// configured default resource is the session's when its startup names none.
     fn fast_path_knows(self) -> bool {
         matches!(
             self,
-            Source::Options | Source::Comment | Source::SqlCommenter
+            Source::Options | Source::Comment | Source::SqlCommenter | Source::Default
         )
     }
 }
