@@ -262,16 +262,12 @@ impl Session {
     fn same_for_the_fence(&self, old: Option<&Arc<Prepared>>, new: Option<&Arc<Prepared>>) -> bool {
         match (old, new) {
             (Some(old), Some(new)) => {
-                let kinds = |p: &Prepared| {
-                    p.analysis
-                        .statements
-                        .iter()
-                        .map(|s| s.kind)
-                        .collect::<Vec<_>>()
-                };
+                fn kinds(p: &Prepared) -> impl Iterator<Item = StatementKind> + '_ {
+                    p.analysis.statements.iter().map(|s| s.kind)
+                }
                 old.copy_in == new.copy_in
                     && old.analysis.directives == new.analysis.directives
-                    && kinds(old) == kinds(new)
+                    && kinds(old).eq(kinds(new))
             }
             // Nothing of that name on the server: a refused Parse leaves the Bind failing.
             (None, _) => !self.names_forgotten,
