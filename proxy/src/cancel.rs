@@ -8,8 +8,17 @@
 //! The registry also maps a backend back to the pid its client was given, so that a
 //! notification names its sender as that sender's client knows it (see
 //! [`CancelRegistry::client_pid`]).
+//!
+//! A cancel can reach its backend twice: PostgreSQL (up to 16 at least) signals the backend,
+//! then its process group, which is the backend again. When the server process that sends
+//! them is descheduled between the two, the first signal cancels the statement, the client
+//! sees the error and sends its next statement, and the second signal cancels that one.
+//! A session therefore counts its cancels still being forwarded ([`InFlight`]) and holds its
+//! client's next messages, and its server connection back from the pool, until the server
+//! has closed every cancel connection: it has sent both signals then.
 
 use std::fmt;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,6 +37,54 @@ pub struct CancelTarget {
     pub key: i32,
     /// The session's server connection uses TLS: so does its cancel.
     pub tls: Option<CancelTls>,
+    /// The session's cancels being forwarded now.
+    pub in_flight: Arc<InFlight>,
+}
+
+/// How many cancel requests of one session pgfence is forwarding now.
+#[derive(Debug, Default)]
+pub struct InFlight {
+    count: AtomicU32,
+    settled: tokio::sync::Notify,
+}
+
+impl InFlight {
+    /// A cancel is being forwarded: its server may not have sent every signal yet.
+    #[inline]
+    pub fn busy(&self) -> bool {
+        self.count.load(Ordering::Acquire) != 0
+    }
+
+    /// Counts one cancel until the guard is dropped.
+    fn start(self: &Arc<Self>) -> InFlightGuard {
+        self.count.fetch_add(1, Ordering::AcqRel);
+        InFlightGuard(self.clone())
+    }
+
+    /// Ready when no cancel is being forwarded. Each forward ends within
+    /// `limits.connect_timeout`, so this does too.
+    pub async fn settled(&self) {
+        loop {
+            let notified = self.settled.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if !self.busy() {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+/// One cancel being forwarded; dropped when it is done, failed or timed out.
+struct InFlightGuard(Arc<InFlight>);
+
+impl Drop for InFlightGuard {
+    fn drop(&mut self) {
+        if self.0.count.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.settled.notify_waiters();
+        }
+    }
 }
 
 /// How to reach the server over TLS for a cancel: what the session's connection used.
@@ -101,6 +158,7 @@ impl CancelRegistry {
 /// `limit` (`limits.connect_timeout`), so that a server that never answers does not keep
 /// the task; what went wrong, for the log.
 pub async fn forward(target: CancelTarget, limit: Duration) -> Result<(), String> {
+    let _counted = target.in_flight.start();
     match crate::deadline::timeout(limit, send_cancel(target)).await {
         Ok(Ok(())) => Ok(()),
         Ok(Err(e)) => Err(e.to_string()),
@@ -256,12 +314,50 @@ mod tests {
         );
     }
 
+    /// A session counts its cancel as in flight from the moment it is forwarded until the
+    /// server has closed the cancel's connection, and `settled` waits for that.
+    #[tokio::test]
+    async fn a_cancel_is_in_flight_until_the_server_closes_its_connection() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (close, closed) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut request = [0u8; 16];
+            s.read_exact(&mut request).await.unwrap();
+            closed.await.unwrap();
+            request
+        });
+        let target = target(port, 4242);
+        let in_flight = target.in_flight.clone();
+        assert!(!in_flight.busy());
+        let forward = tokio::spawn(forward(target, Duration::from_secs(10)));
+        while !in_flight.busy() {
+            tokio::task::yield_now().await;
+        }
+        let settled = in_flight.settled();
+        tokio::pin!(settled);
+        let waited = tokio::time::timeout(Duration::from_millis(100), settled.as_mut()).await;
+        assert!(
+            waited.is_err(),
+            "settled while the server still held the cancel"
+        );
+        close.send(()).unwrap();
+        assert_eq!(server.await.unwrap(), CANCEL_4242);
+        tokio::time::timeout(Duration::from_secs(10), settled)
+            .await
+            .expect("settled once the server closed");
+        assert!(!in_flight.busy());
+        forward.await.unwrap().unwrap();
+    }
+
     fn target(port: u16, pid: i32) -> CancelTarget {
         CancelTarget {
             upstream: UpstreamAddr::Tcp(([127, 0, 0, 1], port).into()),
             pid,
             key: 7,
             tls: None,
+            in_flight: Arc::default(),
         }
     }
 

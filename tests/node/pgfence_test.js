@@ -198,10 +198,13 @@ function uniqueName(prefix, name) {
 let current = null;
 
 // Runs every test of `tests` (an object of async functions) in order, each under
-// DEADLINE_MS, then exits.
+// DEADLINE_MS, then exits. PGFENCE_NODE_ONLY (comma-separated names) runs only those, e.g.
+// to repeat one test by hand.
 async function run(tests) {
   let failed = 0;
-  const names = Object.keys(tests);
+  const only = (process.env.PGFENCE_NODE_ONLY || '').split(',').filter((n) => n !== '');
+  for (const name of only) assert.ok(name in tests, `PGFENCE_NODE_ONLY: no test ${name}`);
+  const names = only.length ? only : Object.keys(tests);
   for (const name of names) {
     const started = Date.now();
     current = name;

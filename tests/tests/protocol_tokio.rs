@@ -12,6 +12,9 @@
 //!   released), a failed transaction, dropped transaction objects.
 //! - [`cancel_pg_sleep`]: `cancel_query` on a running `pg_sleep`: 57014, the session stays
 //!   usable, and a second cancel of an idle session does nothing.
+//! - [`a_cancels_late_second_signal_spares_the_next_statement`]: PostgreSQL's late second
+//!   signal for one cancel (played by a relay) does not cancel the next statement through
+//!   pgfence, nor the next client's on a kept connection, and does directly.
 //! - [`notifications_notices_and_parameter_status`]: LISTEN/NOTIFY between two sessions
 //!   (the notification arrives on the listener's message stream, also inside a
 //!   transaction-delayed NOTIFY), RAISE NOTICE and WARNING, ParameterStatus after
@@ -22,6 +25,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::{pin_mut, SinkExt, TryStreamExt};
+use harness::wire::{self, Msg, RawConn};
 use harness::{connect_to, PgCluster, Proxy, APP_DB};
 use tokio::sync::{mpsc, watch};
 use tokio_postgres::binary_copy::{BinaryCopyInWriter, BinaryCopyOutStream};
@@ -614,6 +618,142 @@ async fn cancel_pg_sleep() {
         );
         assert_eq!(sqlstate(&a.unwrap_err()), "57014");
         assert!(b.is_ok(), "{mode}: the other session was cancelled: {b:?}");
+    }
+}
+
+/// A relay on a free port in front of PostgreSQL's `upstream` port that passes sessions
+/// through, and plays each cancel request as PostgreSQL (up to 16 at least) can deliver it
+/// on a loaded machine: it signals the backend once (the request goes to the server), then
+/// again `late` after that (a second request), and only then closes the requester's
+/// connection. PostgreSQL's `signal_child` signals the backend and then its process group,
+/// the backend again: descheduled in between, it sends the second signal late.
+async fn late_double_cancel_relay(upstream: u16, late: Duration) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+    /// Length 16, then code 80877102: a CancelRequest.
+    const CANCEL_HEAD: [u8; 8] = [0, 0, 0, 16, 0x04, 0xd2, 0x16, 0x2e];
+    let listener = TcpListener::bind((harness::HOST, 0)).await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((mut client, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut head = [0u8; 8];
+                if client.read_exact(&mut head).await.is_err() {
+                    return;
+                }
+                let server = TcpStream::connect((harness::HOST, upstream));
+                let mut server = server.await.expect("relay: connect to PostgreSQL");
+                if head != CANCEL_HEAD {
+                    server.write_all(&head).await.unwrap();
+                    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    return;
+                }
+                let mut request = head.to_vec();
+                request.resize(16, 0);
+                client.read_exact(&mut request[8..]).await.unwrap();
+                for delay in [Duration::ZERO, late] {
+                    tokio::time::sleep(delay).await;
+                    if delay != Duration::ZERO {
+                        server = TcpStream::connect((harness::HOST, upstream)).await.unwrap();
+                    }
+                    server.write_all(&request).await.unwrap();
+                    // The server closes the connection once it has signalled the backend.
+                    let _ = server.read(&mut [0u8; 1]).await;
+                }
+                // `client` is dropped, so closed, only now.
+            });
+        }
+    });
+    port
+}
+
+/// Runs `SELECT pg_sleep(30)` on `c` and cancels it after 300 ms: its error. tokio-postgres
+/// does not wait for the cancel's connection to close, so `c` sees the error as soon as the
+/// first signal lands.
+async fn cancel_a_sleep(c: &Client) -> tokio_postgres::Error {
+    let token = c.cancel_token();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        token.cancel_query(NoTls).await.expect("cancel_query");
+    });
+    c.simple_query("SELECT pg_sleep(30)").await.unwrap_err()
+}
+
+/// A cancel's late second signal (see [`late_double_cancel_relay`]): directly, it cancels
+/// the statement the client sent after it saw the first one's error; through pgfence, which
+/// holds that statement until the server has closed the cancel's connection, it lands on an
+/// idle session and does nothing. Nor does it reach a kept server connection's next client:
+/// a session's server connection goes back to the pool only after its cancels are done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancels_late_second_signal_spares_the_next_statement() {
+    let late = Duration::from_millis(500);
+    let next = "SELECT pg_sleep(1.5)";
+    let cluster = PgCluster::start();
+    cluster.psql(APP_DB, &fence_core::sql::install_sql(None));
+    let relay = late_double_cancel_relay(cluster.port(), late).await;
+    let mut config = Proxy::config_for(&cluster);
+    config.upstream.port = relay;
+    let fenced = Proxy::start(config.clone());
+    config.fence.enabled = false;
+    let plain = Proxy::start(config);
+    let direct = cluster.connstr(APP_DB).replace(
+        &format!("port={}", cluster.port()),
+        &format!("port={relay}"),
+    );
+    let targets = [
+        ("direct", direct),
+        ("fence on", fenced.connstr(APP_DB)),
+        ("fence off", plain.connstr(APP_DB)),
+    ];
+    for (mode, connstr) in &targets {
+        let c = connect_to(connstr).await;
+        let e = cancel_a_sleep(&c).await;
+        assert_eq!(sqlstate(&e), "57014", "{mode}: {e:?}");
+        let after = c.simple_query(next).await;
+        if *mode == "direct" {
+            // The relay does reproduce the race: a check that cannot fail proves nothing.
+            let e = after.expect_err("direct: the late signal should cancel the next statement");
+            assert_eq!(sqlstate(&e), "57014", "direct: {e:?}");
+            continue;
+        }
+        after.unwrap_or_else(|e| panic!("{mode}: the late signal cancelled the next one: {e}"));
+    }
+    // A client that leaves as soon as it has its error, without Terminate; the next one,
+    // with the same startup packet, takes its kept server connection if it is parked.
+    for proxy in [&fenced, &plain] {
+        let addr = proxy.addr();
+        tokio::task::spawn_blocking(move || {
+            let (mut c, hello) = RawConn::login(addr, harness::SUPERUSER, APP_DB);
+            let k = hello
+                .iter()
+                .find(|m| m.tag == b'K')
+                .expect("BackendKeyData");
+            let pid = i32::from_be_bytes(k.body[0..4].try_into().unwrap());
+            let key = i32::from_be_bytes(k.body[4..8].try_into().unwrap());
+            c.send(&wire::query("SELECT pg_sleep(30)"));
+            std::thread::sleep(Duration::from_millis(300));
+            let mut cancel = std::net::TcpStream::connect(addr).unwrap();
+            std::io::Write::write_all(&mut cancel, &wire::cancel_request(pid, key)).unwrap();
+            let replies = c.until_ready();
+            let error = replies.iter().find(|m| m.tag == b'E');
+            assert_eq!(
+                error.and_then(Msg::sqlstate).as_deref(),
+                Some("57014"),
+                "{replies:?}"
+            );
+            drop(c);
+            // Long enough for the connection to be reset and parked, were it not held.
+            std::thread::sleep(Duration::from_millis(100));
+            let (mut d, _) = RawConn::login(addr, harness::SUPERUSER, APP_DB);
+            d.send(&wire::query(next));
+            let replies = d.until_ready();
+            assert!(
+                replies.iter().all(|m| m.tag != b'E'),
+                "the late signal cancelled the next client's statement: {replies:?}"
+            );
+        })
+        .await
+        .unwrap();
     }
 }
 

@@ -71,6 +71,7 @@ impl Session {
                     pid,
                     key,
                     tls: self.cancel_tls.clone(),
+                    in_flight: self.cancels.clone(),
                 });
                 self.client_key = Some((cpid, ckey));
                 crate::protocol::message::backend_key_data(&mut self.to_client, cpid, ckey);

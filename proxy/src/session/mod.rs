@@ -507,6 +507,9 @@ pub(crate) struct Session {
     backend_pid: i32,
     /// The key pgfence gave the client, registered for cancel routing.
     client_key: Option<(i32, i32)>,
+    /// This session's cancel requests being forwarded: until the server has closed their
+    /// connections, a late signal could still cancel the next statement (see `crate::cancel`).
+    cancels: Arc<cancel::InFlight>,
     max_message: u32,
     to_server: BytesMut,
     to_client: BytesMut,
@@ -611,6 +614,7 @@ impl Session {
             upstream,
             backend_pid: 0,
             client_key: None,
+            cancels: Arc::default(),
             to_server: BytesMut::with_capacity(READ_CHUNK),
             to_client: BytesMut::with_capacity(READ_CHUNK),
             replies: Replies::default(),
@@ -675,8 +679,11 @@ impl Session {
             return Err(self.fail(&mut cw, e).await);
         }
         let mut client_pending = !cbuf.is_empty();
+        let cancels = self.cancels.clone();
         loop {
-            if client_pending && self.reads_client() {
+            // What the client sends while one of its cancels is on its way waits for it.
+            let after_cancel = client_pending && cancels.busy();
+            if client_pending && self.reads_client() && !after_cancel {
                 client_pending = false;
                 match self.on_client_bytes(&mut cbuf) {
                     Ok(Flow::Terminate) => client_open = false,
@@ -700,8 +707,10 @@ impl Session {
             {
                 return Err(self.say_goodbye(&mut cw, stop.reason()).await);
             }
-            let read_client =
-                client_open && self.reads_client() && self.to_server.len() < HIGH_WATER;
+            let read_client = client_open
+                && self.reads_client()
+                && !after_cancel
+                && self.to_server.len() < HIGH_WATER;
             let read_server = self.to_client.len() < HIGH_WATER;
             if cbuf.capacity() - cbuf.len() < 1024 {
                 cbuf.reserve(READ_CHUNK);
@@ -749,6 +758,7 @@ impl Session {
                     let n = r.map_err(SessionError::ClientIo)?;
                     self.to_client.advance(n);
                 }
+                () = cancels.settled(), if after_cancel => {}
                 _ = cancelled_since(&stop.drain), if !draining => {
                     draining = true;
                 }
@@ -898,7 +908,13 @@ impl Session {
     /// be reset, else ends the server session with Terminate.
     async fn release(&mut self, mut server: Stream, born: Instant, key: Option<PoolKey>) {
         if let Some(key) = key.filter(|_| self.poolable()) {
-            match crate::deadline::timeout(RESET_TIMEOUT, self.reset(&mut server)).await {
+            // A cancel still on its way could hit the reset, or the next client's statement.
+            let cancels = self.cancels.clone();
+            let reset = async {
+                cancels.settled().await;
+                self.reset(&mut server).await
+            };
+            match crate::deadline::timeout(RESET_TIMEOUT, reset).await {
                 Ok(Ok(())) => {
                     let tls = server.tls();
                     if let Ok(stream) = server.into_std() {
