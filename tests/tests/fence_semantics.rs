@@ -37,7 +37,7 @@ use harness::fence::{
     assert_rejected, conflicting, connect_with_notices, drain_notices, install, invalid_resource,
     invalid_token, missing, psql_script, sqlstate, stale, Expected, INVALID_DETAIL, INVALID_HINT,
 };
-use harness::wire::{self, RawConn};
+use harness::wire::{self, Msg, RawConn};
 use harness::{quote_conn_value, PgCluster, Proxy, APP_DB, SUPERUSER};
 use pgfence_config::{Config, DefaultResource, OnMissingToken, ResourcePolicy};
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -1363,7 +1363,8 @@ fn expect_raw_rejection(conn: &mut RawConn, context: &str) {
 /// Later (found by `protocol_random`'s stale run) the same with the Parse sent after the
 /// error had come back, in a batch the client had flushed and not synced: nothing undid it;
 /// with two such Parses in flight, whose second put back what the first had not done; and
-/// with the name bound in the next batch, sent before the refusal came back.
+/// with the name bound in the next batch, sent before the refusal came back; and after a
+/// skipped Close of the name.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_or_skipped_parse_does_not_change_what_pgfence_thinks_a_name_runs() {
     for fast_path in [true, false] {
@@ -1478,7 +1479,50 @@ async fn a_refused_or_skipped_parse_does_not_change_what_pgfence_thinks_a_name_r
         );
         wire::assert_error(&stale.until_ready()[1], "ERROR", "26000");
         expect_raw_rejection(&mut stale, &format!("fast_path = {fast_path}, unnamed"));
-        for name in ["s1", "s2", "s3", "s4"] {
+        // A Close of the name the server skipped (the batch failed before it): the name
+        // still runs the INSERT, and a Parse of it is refused; a Bind in the next batch runs
+        // the INSERT. Also with the Close in flight when the Bind is sent, and with two
+        // refused Parses in flight (found by `protocol_random`'s stale run).
+        let fails_then = |then: Vec<u8>| {
+            [
+                wire::parse("", "SELECT 1/0", &[]),
+                wire::bind("", "", &[]),
+                wire::execute("", 0),
+                then,
+                wire::sync(),
+            ]
+            .concat()
+        };
+        let refused = |name: &str| [wire::parse(name, "SELECT 1", &[]), wire::sync()].concat();
+        for name in ["s7", "s8", "s9"] {
+            stale.send(&[wire::parse(name, insert, &[]), wire::sync()].concat());
+            stale.until_ready();
+        }
+        let failed = |replies: Vec<Msg>| {
+            wire::assert_error(&replies[replies.len() - 2], "ERROR", "22012");
+        };
+        stale.send(&fails_then(wire::close(b'S', "s7")));
+        failed(stale.until_ready());
+        stale.send(&[refused("s7"), run_statement("s7")].concat());
+        wire::assert_error(&stale.until_ready()[0], "ERROR", "42P05");
+        expect_raw_rejection(&mut stale, &format!("fast_path = {fast_path}, s7"));
+        stale.send(
+            &[
+                fails_then(wire::close(b'S', "s8")),
+                refused("s8"),
+                run_statement("s8"),
+            ]
+            .concat(),
+        );
+        failed(stale.until_ready());
+        wire::assert_error(&stale.until_ready()[0], "ERROR", "42P05");
+        expect_raw_rejection(&mut stale, &format!("fast_path = {fast_path}, s8"));
+        stale.send(&[refused("s9"), refused("s9"), run_statement("s9")].concat());
+        for _ in 0..2 {
+            wire::assert_error(&stale.until_ready()[0], "ERROR", "42P05");
+        }
+        expect_raw_rejection(&mut stale, &format!("fast_path = {fast_path}, s9"));
+        for name in ["s1", "s2", "s3", "s4", "s7", "s8", "s9"] {
             stale.send(&run_statement(name));
             expect_raw_rejection(&mut stale, &format!("fast_path = {fast_path}, {name}"));
         }
@@ -1675,8 +1719,9 @@ async fn text_pipelined_behind_a_change_of_standard_conforming_strings_is_read_a
 /// savepoint: a `COMMIT` after it commits that, so it is checked. A stale session once
 /// committed such a block unchecked by sending both in one extended-protocol batch: pgfence
 /// still took the block for failed, whose COMMIT only rolls back. Also with the `ROLLBACK
-/// TO` under a name whose later Parse the server refused, in a simple Query, and synced
-/// apart.
+/// TO` under a name whose later Parse the server refused, in a simple Query, synced apart,
+/// and (found by `protocol_random`'s stale run) in a Query of its own with the `COMMIT`
+/// pipelined in the next: pgfence planned that one still taking the block for failed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_block_revived_by_rollback_to_savepoint_is_checked_at_commit() {
     let (fx, options) = Fixture::after_leader_34("revived", |c| {
@@ -1691,7 +1736,7 @@ async fn a_failed_block_revived_by_rollback_to_savepoint_is_checked_at_commit() 
         ]
         .concat()
     };
-    let rollback_to_then_commit: [(&str, Vec<u8>); 4] = [
+    let rollback_to_then_commit: [(&str, Vec<u8>); 5] = [
         (
             "one batch",
             [pbe("ROLLBACK TO SAVEPOINT s"), pbe("COMMIT"), wire::sync()].concat(),
@@ -1720,6 +1765,14 @@ async fn a_failed_block_revived_by_rollback_to_savepoint_is_checked_at_commit() 
             ]
             .concat(),
         ),
+        (
+            "two simple Queries",
+            [
+                wire::query("ROLLBACK TO SAVEPOINT s; SELECT 1"),
+                wire::query("COMMIT"),
+            ]
+            .concat(),
+        ),
     ];
     for (how, send) in rollback_to_then_commit {
         let mut stale = fx.raw_session(&options);
@@ -1740,7 +1793,7 @@ async fn a_failed_block_revived_by_rollback_to_savepoint_is_checked_at_commit() 
         stale.send(&wire::query("SELECT 1/0"));
         wire::assert_error(&stale.until_ready()[0], "ERROR", "22012");
         stale.send(&send);
-        if how == "synced apart" {
+        if matches!(how, "synced apart" | "two simple Queries") {
             stale.until_ready();
         }
         expect_raw_rejection(&mut stale, how);

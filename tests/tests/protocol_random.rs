@@ -123,9 +123,10 @@ use rand::{Rng, SeedableRng};
 /// whose Bind failed after creating it, executed in the failed block (EmptyQueryResponse);
 /// 9717, a Bind of a name whose Parse was in doubt checked before its Execute in a block
 /// that had failed (the client's `ROLLBACK TO` skipped); 10281, a pre-check run for a
-/// `VACUUM` sent after a flushed batch had failed (its Sync ended the server's skipping).
+/// `VACUUM` sent after a flushed batch had failed (its Sync ended the server's skipping);
+/// 26580, a Close of a statement the server skipped, which pgfence took as done.
 const REGRESSION_SEEDS: &[u64] = &[
-    1094, 1242, 2341, 2509, 2860, 5146, 5322, 5480, 5625, 5678, 5732, 5764, 9717, 10281,
+    1094, 1242, 2341, 2509, 2860, 5146, 5322, 5480, 5625, 5678, 5732, 5764, 9717, 10281, 26580,
 ];
 
 /// The fencing resource of the token sessions.
@@ -1433,8 +1434,10 @@ CREATE VIEW rv AS SELECT id, v FROM r;
 /// 1500 and 1964, a Bind in a later batch of a statement whose Parse the server skipped or
 /// refused; 1638, two refused Parses of one name in flight; 3611, pgfence acting on messages
 /// the server skipped after a flushed batch had failed (fixed with seed 10281 of
-/// [`REGRESSION_SEEDS`]).
-const STALE_REGRESSION_SEEDS: &[u64] = &[981, 1263, 1500, 1638, 1964, 3611];
+/// [`REGRESSION_SEEDS`]); 33365, a skipped Close of a prepared INSERT's name, then a Parse
+/// of that name refused with a Bind of it in the next batch; 35213, a `COMMIT` pipelined
+/// behind a Query whose `ROLLBACK TO SAVEPOINT` revived a failed block that wrote.
+const STALE_REGRESSION_SEEDS: &[u64] = &[981, 1263, 1500, 1638, 1964, 3611, 33365, 35213];
 
 /// The fence of both resources in the stale run: above every token its sessions get.
 const STALE_FENCE: u64 = 1_000_000;

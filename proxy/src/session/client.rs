@@ -638,17 +638,21 @@ impl Session {
         let (portal, statement) =
             msg::bind_names(frame).ok_or(SessionError::MalformedClientMessage("Bind"))?;
         let mut prepared = self.statement(statement);
-        if let Some(old) = self.replies.parse_in_earlier_batch(statement) {
-            // That Parse may yet be refused or skipped, and then this Bind runs the statement
-            // the name had (an error in an earlier batch does not skip it). Unless both run
-            // alike, the Bind waits for the answer when it starts a batch; in the middle of
-            // one the portal is one pgfence does not know.
-            if !self.same_for_the_fence(old, prepared.as_ref()) {
-                if self.replies.ends_at_sync_point() {
-                    return Ok(self.hold_until_answered());
-                }
-                prepared = None;
+        let doubtful = self
+            .replies
+            .statement_in_doubt(statement)
+            .is_some_and(|mut olds| {
+                !olds.all(|old| self.same_for_the_fence(old, prepared.as_ref()))
+            });
+        if doubtful {
+            // A Parse or Close of the name may yet be refused or skipped, and then this Bind
+            // runs the statement the name had (an error in an earlier batch does not skip
+            // it). Unless all run alike, the Bind waits for the answer when it starts a
+            // batch; in the middle of one the portal is one pgfence does not know.
+            if self.replies.ends_at_sync_point() {
+                return Ok(self.hold_until_answered());
             }
+            prepared = None;
         }
         let non_transactional = prepared.as_ref().is_some_and(|p| {
             matches!(&*p.analysis.statements, [only] if only.kind == StatementKind::NonTransactional)
@@ -796,18 +800,21 @@ impl Session {
     fn on_close(&mut self, frame: &[u8]) -> Result<(), SessionError> {
         let (kind, name) =
             msg::target(frame).ok_or(SessionError::MalformedClientMessage("Close"))?;
-        match (kind, name.is_empty()) {
-            (b'S', true) => self.unnamed_statement = None,
-            (b'S', false) => {
-                self.statements.remove(name);
-            }
-            (b'P', true) => self.unnamed_portal = None,
-            (b'P', false) => {
-                self.portals.remove(name);
-            }
-            _ => {}
+        // What the name stood for is put back if the server skips the Close (see
+        // `refused`).
+        let (request, before) = match (kind, name.is_empty()) {
+            (b'S', true) => (Request::CloseStatement, self.unnamed_statement.take()),
+            (b'S', false) => (Request::CloseStatement, self.statements.remove(name)),
+            (b'P', true) => (Request::ClosePortal, self.unnamed_portal.take()),
+            (b'P', false) => (Request::ClosePortal, self.portals.remove(name)),
+            // The server refuses it: nothing changes.
+            _ => (Request::Close, None),
+        };
+        if request == Request::Close {
+            self.forward(frame, request);
+        } else {
+            self.forward_named(frame, request, name, before);
         }
-        self.forward(frame, Request::Close);
         Ok(())
     }
 }

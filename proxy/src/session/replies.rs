@@ -22,7 +22,13 @@ pub enum Request {
     /// a portal (`P`, RowDescription/NoData).
     Describe,
     Execute,
+    /// pgfence's own Close.
     Close,
+    /// A client's Close of a statement (`S`): like a Parse, it changes what the name
+    /// stands for, unless the server skips it.
+    CloseStatement,
+    /// A client's Close of a portal (`P`).
+    ClosePortal,
     /// Answered by ReadyForQuery.
     Sync,
     /// A Sync sent after the Execute of a `COPY ... FROM STDIN` and before its CopyDone or
@@ -34,6 +40,12 @@ pub enum Request {
 }
 
 impl Request {
+    /// Whether this request (a client's) changes what a statement name stands for.
+    #[inline]
+    pub fn sets_statement(self) -> bool {
+        matches!(self, Request::Parse | Request::CloseStatement)
+    }
+
     /// Whether ReadyForQuery ends this request.
     pub fn is_sync_point(self) -> bool {
         matches!(
@@ -119,8 +131,9 @@ pub struct Pending {
     /// For `Query`: the plan. Boxed elsewhere would cost an allocation per query; the
     /// empty plan allocates nothing.
     pub plan: QueryPlan,
-    /// For a client's Parse or Bind: the statement or portal it names (`None`: the unnamed
-    /// one), whose analysis pgfence must put back if the server refuses or skips the request.
+    /// For a client's Parse, Bind or Close: the statement or portal it names (`None`: the
+    /// unnamed one), whose analysis pgfence must put back if the server refuses or skips the
+    /// request.
     pub name: Option<Box<[u8]>>,
     /// What that name stood for before (`None`: nothing pgfence knew of).
     pub before: Option<Arc<Prepared>>,
@@ -130,7 +143,8 @@ pub struct Pending {
 #[derive(Debug, Default)]
 pub struct Replies {
     queue: VecDeque<Pending>,
-    /// How many client Parses are in the queue (see [`Self::parse_in_earlier_batch`]).
+    /// How many client Parses and statement Closes are in the queue (see
+    /// [`Self::statement_in_doubt`]).
     parses: u32,
 }
 
@@ -146,10 +160,10 @@ impl Replies {
         });
     }
 
-    /// A client's Parse or Bind of statement or portal `name`.
+    /// A client's Parse, Bind or Close of statement or portal `name`.
     #[inline]
     pub fn push_named(&mut self, request: Request, name: &[u8], before: Option<Arc<Prepared>>) {
-        if request == Request::Parse {
+        if request.sets_statement() {
             self.parses += 1;
         }
         self.queue.push_back(Pending {
@@ -162,39 +176,49 @@ impl Replies {
         });
     }
 
-    /// A client's Parse of statement `name` (empty: the unnamed one) in flight in an
-    /// earlier batch than what is sent next (a Query, Sync or FunctionCall went after it):
-    /// the server may yet refuse or skip it and keep the statement the name had, which a
-    /// Bind sent now would run, because the error does not skip the Bind. Returns that
-    /// statement as pgfence knew it (the Parse's `before`).
-    pub fn parse_in_earlier_batch(&self, name: &[u8]) -> Option<Option<&Arc<Prepared>>> {
+    /// Whether a Bind of statement `name` (empty: the unnamed one) sent now may run
+    /// something else than pgfence thinks: the client's last Parse or Close of that name in
+    /// flight is in an earlier batch (a Query, Sync or FunctionCall went after it), and the
+    /// server may yet refuse or skip it, and those before it, and keep what the name stood
+    /// for before one of them; the Bind runs that, because an error in an earlier batch does
+    /// not skip it. Returns what the name stood for, as pgfence knew it, before each of
+    /// those requests (their `before`), latest first.
+    pub fn statement_in_doubt<'a>(
+        &'a self,
+        name: &'a [u8],
+    ) -> Option<impl Iterator<Item = Option<&'a Arc<Prepared>>> + 'a> {
         if self.parses == 0 {
             return None;
         }
         let name = (!name.is_empty()).then_some(name);
-        let mut synced = false;
-        for p in self.queue.iter().rev() {
-            if p.request.is_sync_point() {
-                synced = true;
-            } else if p.request == Request::Parse
-                && p.origin == Origin::Client
-                && p.name.as_deref() == name
-            {
-                return synced.then_some(p.before.as_ref());
-            }
+        let sets = move |p: &Pending| {
+            p.request.sets_statement() && p.origin == Origin::Client && p.name.as_deref() == name
+        };
+        let last = self.queue.iter().rposition(sets)?;
+        if !self.queue.range(last..).any(|p| p.request.is_sync_point()) {
+            // In this batch: if it fails, the server skips the Bind too.
+            return None;
         }
-        None
+        Some(
+            self.queue
+                .range(..=last)
+                .rev()
+                .filter(move |p| sets(p))
+                .map(|p| p.before.as_ref()),
+        )
     }
 
-    /// The first client Parse or Bind (`request`) of statement or portal `name` (`None`:
-    /// the unnamed one) still owed a reply.
-    pub fn next_named_mut(
-        &mut self,
-        request: Request,
-        name: Option<&[u8]>,
-    ) -> Option<&mut Pending> {
+    /// The first client request still owed a reply that changes what statement `name`
+    /// (when `statement`; else portal `name`) stands for (`None`: the unnamed one): a Parse
+    /// or Close of the statement, a Bind or Close of the portal.
+    pub fn next_named_mut(&mut self, statement: bool, name: Option<&[u8]>) -> Option<&mut Pending> {
         self.queue.iter_mut().find(|p| {
-            p.request == request && p.origin == Origin::Client && p.name.as_deref() == name
+            let sets = match p.request {
+                Request::Parse | Request::CloseStatement => statement,
+                Request::Bind | Request::ClosePortal => !statement,
+                _ => false,
+            };
+            sets && p.origin == Origin::Client && p.name.as_deref() == name
         })
     }
 
@@ -223,7 +247,7 @@ impl Replies {
     pub fn pop(&mut self) -> Option<Pending> {
         let p = self.queue.pop_front();
         if let Some(p) = &p {
-            if p.request == Request::Parse && p.origin == Origin::Client {
+            if p.request.sets_statement() && p.origin == Origin::Client {
                 self.parses -= 1;
             }
         }

@@ -347,13 +347,15 @@ impl Session {
                 }
                 _ => before,
             },
+            Request::CloseStatement | Request::ClosePortal => before,
             _ => return,
         };
         // A later request of that name in flight was sent as if this one had happened: what
         // it would put back is `now`. Otherwise pgfence's view of the name is `now`.
+        let statement = request.request.sets_statement();
         if let Some(next) = self
             .replies
-            .next_named_mut(request.request, request.name.as_deref())
+            .next_named_mut(statement, request.name.as_deref())
         {
             next.before = now;
             return;
@@ -364,11 +366,11 @@ impl Session {
                 None => names.remove(&name),
             };
         };
-        match (request.request, request.name) {
-            (Request::Parse, None) => self.unnamed_statement = now,
-            (Request::Parse, Some(name)) => put(&mut self.statements, name, now),
-            (_, None) => self.unnamed_portal = now,
-            (_, Some(name)) => put(&mut self.portals, name, now),
+        match (statement, request.name) {
+            (true, None) => self.unnamed_statement = now,
+            (true, Some(name)) => put(&mut self.statements, name, now),
+            (false, None) => self.unnamed_portal = now,
+            (false, Some(name)) => put(&mut self.portals, name, now),
         }
     }
 

@@ -237,7 +237,10 @@ impl TxState {
             plan.at_end = true;
             self.dirty = false;
         }
-        if control {
+        if control || (self.view == View::Failed && !failed) {
+            // A `ROLLBACK TO SAVEPOINT` revives a failed block, unless it fails itself (no
+            // such savepoint): the next ReadyForQuery tells, and a COMMIT sent before it
+            // waits for it (see `placement_depends_on_replies`).
             self.view = View::Unknown;
         }
         plan
