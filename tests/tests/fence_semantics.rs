@@ -1336,6 +1336,16 @@ async fn a_fast_rejection_in_a_block_shows_only_the_error() {
     assert_eq!(fx.count("fastblock WHERE tag LIKE 'stale%'").await, 0);
 }
 
+/// Parse, Bind and Execute of `sql` (unnamed statement and portal), no Sync.
+fn pbe(sql: &str) -> Vec<u8> {
+    [
+        wire::parse("", sql, &[]),
+        wire::bind("", "", &[]),
+        wire::execute("", 0),
+    ]
+    .concat()
+}
+
 /// Bind of the prepared statement `name` to the unnamed portal, Execute, Sync.
 fn run_statement(name: &str) -> Vec<u8> {
     [
@@ -1728,14 +1738,6 @@ async fn a_failed_block_revived_by_rollback_to_savepoint_is_checked_at_commit() 
         c.fence.fast_path = false;
     })
     .await;
-    let pbe = |sql: &str| {
-        [
-            wire::parse("", sql, &[]),
-            wire::bind("", "", &[]),
-            wire::execute("", 0),
-        ]
-        .concat()
-    };
     let rollback_to_then_commit: [(&str, Vec<u8>); 5] = [
         (
             "one batch",
@@ -1799,6 +1801,54 @@ async fn a_failed_block_revived_by_rollback_to_savepoint_is_checked_at_commit() 
         expect_raw_rejection(&mut stale, how);
     }
     assert_eq!(fx.count("revived WHERE tag LIKE 'stale%'").await, 0);
+}
+
+/// A write, then `BEGIN`, in one extended-protocol batch: the block holds the write, so
+/// nothing commits at the batch's Sync (pgfence adds no check there: it would run in the
+/// block, before the client's `SET TRANSACTION`) and the block's `COMMIT` is checked. A
+/// batch whose `BEGIN` an error skipped opens no block: a write pipelined in the next batch
+/// commits at its own Sync, checked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_before_begin_in_its_batch_is_checked_at_commit() {
+    let (fx, options) = Fixture::after_leader_34("before_begin", |c| {
+        c.fence.fast_path = false;
+    })
+    .await;
+    let mut stale = fx.raw_session(&options);
+    stale.send(
+        &[
+            pbe("INSERT INTO before_begin VALUES ('stale in the block')"),
+            pbe("BEGIN"),
+            wire::sync(),
+        ]
+        .concat(),
+    );
+    let replies = stale.until_ready();
+    assert_eq!(
+        replies.last().unwrap().ready_status(),
+        Some(b'T'),
+        "{replies:?}"
+    );
+    stale.send(&wire::query("COMMIT"));
+    expect_raw_rejection(&mut stale, "COMMIT of the block");
+    stale.send(
+        &[
+            pbe("SELECT 1/0"),
+            pbe("BEGIN"),
+            wire::sync(),
+            pbe("INSERT INTO before_begin VALUES ('stale after the skipped BEGIN')"),
+            wire::sync(),
+        ]
+        .concat(),
+    );
+    let replies = stale.until_ready();
+    assert_eq!(
+        replies.last().unwrap().ready_status(),
+        Some(b'I'),
+        "{replies:?}"
+    );
+    expect_raw_rejection(&mut stale, "write after a skipped BEGIN");
+    assert_eq!(fx.count("before_begin WHERE tag LIKE 'stale%'").await, 0);
 }
 
 /// `COMMIT PREPARED` and `ROLLBACK PREPARED` finish a transaction checked at its `PREPARE
@@ -1942,14 +1992,6 @@ async fn discard_all_runs_when_reads_are_checked() {
 async fn statements_after_the_commit_of_a_failed_block_run_as_on_postgresql() {
     let fx = Fixture::start("CREATE TABLE afterfail (tag text);", |_| {}).await;
     let mut conn = fx.raw_session("-c fencing.token=3 -c fencing.resource=afterfail");
-    let pbe = |sql: &str| {
-        [
-            wire::parse("", sql, &[]),
-            wire::bind("", "", &[]),
-            wire::execute("", 0),
-        ]
-        .concat()
-    };
     // (name, what follows the failed block, whether the INSERT after the COMMIT runs)
     let cases = [
         (

@@ -112,6 +112,7 @@ impl Session {
             match kind {
                 Frontend::Sync => {
                     self.discard_until_sync = None;
+                    self.tx.batch_begun = false;
                     msg::ready_for_query(&mut self.to_client, status);
                 }
                 Frontend::Terminate => return Ok(Flow::Terminate),
@@ -222,6 +223,7 @@ impl Session {
     #[inline]
     fn sent(&mut self, request: Request) {
         if request.is_sync_point() {
+            self.tx.batch_begun = false;
             self.sync_sent.push_back(std::time::Instant::now());
         }
     }
@@ -701,6 +703,13 @@ impl Session {
         let portal =
             msg::execute_portal(frame).ok_or(SessionError::MalformedClientMessage("Execute"))?;
         let prepared = self.portal(portal);
+        if prepared.is_none() && self.replies.portal_closed_in_batch(portal) {
+            // Closed earlier in this batch: it runs nothing, and a check before it could
+            // only change the error (25P02 in a failed block, where PostgreSQL says 34000).
+            self.shared.stats.queries.add();
+            self.forward(frame, Request::Execute);
+            return Ok(Flow::Continue);
+        }
         // A portal pgfence did not see bound may run anything, a COMMIT included: one of a
         // statement prepared in SQL (maybe over one parsed as COMMIT: see
         // `prepared_in_sql`), or whose Parse was refused before it (the unnamed one).

@@ -208,6 +208,25 @@ impl Replies {
         )
     }
 
+    /// Whether the client's last request of this batch (since the last sync point) that
+    /// sets portal `name` (empty: the unnamed one) is a Close: an Execute of it then runs
+    /// nothing (the server answers 34000, or skips it after an earlier error).
+    pub fn portal_closed_in_batch(&self, name: &[u8]) -> bool {
+        let name = (!name.is_empty()).then_some(name);
+        for p in self.queue.iter().rev() {
+            if p.request.is_sync_point() {
+                return false;
+            }
+            if matches!(p.request, Request::Bind | Request::ClosePortal)
+                && p.origin == Origin::Client
+                && p.name.as_deref() == name
+            {
+                return p.request == Request::ClosePortal;
+            }
+        }
+        false
+    }
+
     /// The first client request still owed a reply that changes what statement `name`
     /// (when `statement`; else portal `name`) stands for (`None`: the unnamed one): a Parse
     /// or Close of the statement, a Bind or Close of the portal.
