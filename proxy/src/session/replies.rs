@@ -145,7 +145,7 @@ pub struct Replies {
     queue: VecDeque<Pending>,
     /// How many client Parses and statement Closes are in the queue (see
     /// [`Self::statement_in_doubt`]).
-    parses: u32,
+    statement_changes: u32,
 }
 
 impl Replies {
@@ -164,7 +164,7 @@ impl Replies {
     #[inline]
     pub fn push_named(&mut self, request: Request, name: &[u8], before: Option<Arc<Prepared>>) {
         if request.sets_statement() {
-            self.parses += 1;
+            self.statement_changes += 1;
         }
         self.queue.push_back(Pending {
             request,
@@ -187,7 +187,7 @@ impl Replies {
         &'a self,
         name: &'a [u8],
     ) -> Option<impl Iterator<Item = Option<&'a Arc<Prepared>>> + 'a> {
-        if self.parses == 0 {
+        if self.statement_changes == 0 {
             return None;
         }
         let name = (!name.is_empty()).then_some(name);
@@ -267,7 +267,7 @@ impl Replies {
         let p = self.queue.pop_front();
         if let Some(p) = &p {
             if p.request.sets_statement() && p.origin == Origin::Client {
-                self.parses -= 1;
+                self.statement_changes -= 1;
             }
         }
         p
