@@ -549,7 +549,8 @@ async fn ids(direct: &Client, t: &str) -> Vec<i32> {
 /// the cancel connection, as libpq does): it is given two seconds to land while the session
 /// is idle, where a cancel does nothing, rather than on the next query. (With 300 ms
 /// between cancels and half a second to land, a loaded CI machine once had a late cancel
-/// hit the next statement.)
+/// hit the next statement. PostgreSQL may also deliver one cancel as two signals, the
+/// second late: see [`a_cancels_late_second_signal_spares_the_next_statement`].)
 async fn cancelled<T>(
     token: &CancelToken,
     query: impl std::future::Future<Output = Result<T, tokio_postgres::Error>>,
