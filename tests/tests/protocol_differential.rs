@@ -814,23 +814,6 @@ fn first_write_fails(name: &'static str, table: &str, options: &'static [u8]) ->
                 ]),
                 Ready(4),
             ),
-            // A write that takes no snapshot, then BEGIN, in one batch: the block holds the
-            // write, and nothing commits at the Sync. pgfence once checked there, inside the
-            // block, and the check's snapshot made the client's SET TRANSACTION fail (25001).
-            step(
-                "a write, then BEGIN, in one batch",
-                cat(&[pbe("NOTIFY differential", &[]), pbe("BEGIN", &[]), s()]),
-                Ready(1),
-            ),
-            step(
-                "SET TRANSACTION first in that block",
-                cat(&[
-                    pbe("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ", &[]),
-                    s(),
-                    q("COMMIT"),
-                ]),
-                Ready(2),
-            ),
             step(
                 "rows",
                 q(&format!("SELECT id FROM {table} ORDER BY id")),

@@ -124,14 +124,12 @@ use rand::{Rng, SeedableRng};
 /// 9717, a Bind of a name whose Parse was in doubt checked before its Execute in a block
 /// that had failed (the client's `ROLLBACK TO` skipped); 10281, a pre-check run for a
 /// `VACUUM` sent after a flushed batch had failed (its Sync ended the server's skipping);
-/// 26580, a Close of a statement the server skipped, which pgfence took as done; 31407, a
-/// check at the Sync of a batch that wrote and then began a block, which ran in the block
-/// before the client's `SET TRANSACTION ISOLATION LEVEL` (25001); 35610, a portal closed
-/// earlier in its batch executed in a failed block (a check before it said 25P02, not
-/// 34000).
+/// 26580, a Close of a statement the server skipped, which pgfence took as done; 35610, a
+/// portal closed earlier in its batch executed in a failed block (a check before it said
+/// 25P02, not 34000).
 const REGRESSION_SEEDS: &[u64] = &[
     1094, 1242, 2341, 2509, 2860, 5146, 5322, 5480, 5625, 5678, 5732, 5764, 9717, 10281, 26580,
-    31407, 35610,
+    35610,
 ];
 
 /// The fencing resource of the token sessions.

@@ -112,7 +112,6 @@ impl Session {
             match kind {
                 Frontend::Sync => {
                     self.discard_until_sync = None;
-                    self.tx.batch_begun = false;
                     msg::ready_for_query(&mut self.to_client, status);
                 }
                 Frontend::Terminate => return Ok(Flow::Terminate),
@@ -223,7 +222,6 @@ impl Session {
     #[inline]
     fn sent(&mut self, request: Request) {
         if request.is_sync_point() {
-            self.tx.batch_begun = false;
             self.sync_sent.push_back(std::time::Instant::now());
         }
     }

@@ -33,9 +33,6 @@ pub struct TxState {
     /// An Execute was sent since the last Sync (the extended protocol's implicit
     /// transaction may already hold writes).
     pub batch_has_execute: bool,
-    /// The last transaction control sent since the last sync point is a `BEGIN`: at the
-    /// next Sync nothing commits (see [`TxState::sync_needs_check`]).
-    pub batch_begun: bool,
     /// Check read-only statements too (`fence.skip_read_only = false`).
     pub check_reads: bool,
 }
@@ -63,7 +60,6 @@ impl TxState {
             dirty: false,
             directives: Vec::new(),
             batch_has_execute: false,
-            batch_begun: false,
             check_reads,
         }
     }
@@ -71,14 +67,10 @@ impl TxState {
     /// A statement of this kind is being sent (extended protocol Execute).
     pub fn on_statement(&mut self, kind: StatementKind) {
         match kind {
-            StatementKind::Begin => {
-                self.view = View::Unknown;
-                self.batch_begun = true;
-            }
+            StatementKind::Begin => self.view = View::Unknown,
             StatementKind::Commit | StatementKind::PrepareTransaction | StatementKind::Rollback => {
                 self.end();
                 self.view = View::Unknown;
-                self.batch_begun = false;
             }
             // Outside a block it only fails: nothing to check, and a check added to it would
             // change how it fails.
@@ -97,7 +89,6 @@ impl TxState {
             StatementKind::Execute => {
                 self.dirty = true;
                 self.view = View::Unknown;
-                self.batch_begun = false;
             }
             StatementKind::ReadOnly => self.dirty |= self.check_reads,
             // `DISCARD ALL` cannot run in a block, so nothing may be appended to it; it writes
@@ -149,13 +140,9 @@ impl TxState {
         }
     }
 
-    /// Whether a Sync sent now may end a transaction that wrote. Not after a `BEGIN` of its
-    /// batch with no transaction control after it: either the `BEGIN` ran, and the block
-    /// (which holds what the batch wrote before it too) goes on past the Sync, to a COMMIT
-    /// that is checked; or an error skipped it, and the Sync rolls back. A check there would
-    /// run in the block, where `SET TRANSACTION ISOLATION LEVEL` must come first.
+    /// Whether a Sync sent now may end a transaction that wrote.
     pub fn sync_needs_check(&self) -> bool {
-        self.dirty && !self.batch_begun && !matches!(self.view, View::InBlock | View::Failed)
+        self.dirty && !matches!(self.view, View::InBlock | View::Failed)
     }
 
     /// A ReadyForQuery arrived; `settled` when nothing else is in flight.
@@ -163,7 +150,6 @@ impl TxState {
         if !settled {
             return;
         }
-        self.batch_begun = false;
         self.view = match status {
             b'T' => View::InBlock,
             b'E' => View::Failed,
