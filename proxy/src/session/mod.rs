@@ -681,9 +681,13 @@ impl Session {
         let mut client_pending = !cbuf.is_empty();
         let cancels = self.cancels.clone();
         loop {
-            // What the client sends while one of its cancels is on its way waits for it.
-            let after_cancel = client_pending && cancels.busy();
-            if client_pending && self.reads_client() && !after_cancel {
+            if client_pending && cancels.busy() {
+                // What the client sends while one of its cancels is on its way waits for it
+                // (a few milliseconds, at most `limits.connect_timeout`). Waiting here rather
+                // than in the select! below keeps its future off every turn of this loop.
+                cancels.settled().await;
+            }
+            if client_pending && self.reads_client() {
                 client_pending = false;
                 match self.on_client_bytes(&mut cbuf) {
                     Ok(Flow::Terminate) => client_open = false,
@@ -707,10 +711,8 @@ impl Session {
             {
                 return Err(self.say_goodbye(&mut cw, stop.reason()).await);
             }
-            let read_client = client_open
-                && self.reads_client()
-                && !after_cancel
-                && self.to_server.len() < HIGH_WATER;
+            let read_client =
+                client_open && self.reads_client() && self.to_server.len() < HIGH_WATER;
             let read_server = self.to_client.len() < HIGH_WATER;
             if cbuf.capacity() - cbuf.len() < 1024 {
                 cbuf.reserve(READ_CHUNK);
@@ -758,7 +760,6 @@ impl Session {
                     let n = r.map_err(SessionError::ClientIo)?;
                     self.to_client.advance(n);
                 }
-                () = cancels.settled(), if after_cancel => {}
                 _ = cancelled_since(&stop.drain), if !draining => {
                     draining = true;
                 }
