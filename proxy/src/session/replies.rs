@@ -46,6 +46,12 @@ impl Request {
         matches!(self, Request::Parse | Request::CloseStatement)
     }
 
+    /// Whether this request (a client's) changes what a portal name stands for.
+    #[inline]
+    pub fn sets_portal(self) -> bool {
+        matches!(self, Request::Bind | Request::ClosePortal)
+    }
+
     /// Whether ReadyForQuery ends this request.
     pub fn is_sync_point(self) -> bool {
         matches!(
@@ -217,10 +223,7 @@ impl Replies {
             if p.request.is_sync_point() {
                 return false;
             }
-            if matches!(p.request, Request::Bind | Request::ClosePortal)
-                && p.origin == Origin::Client
-                && p.name.as_deref() == name
-            {
+            if p.request.sets_portal() && p.origin == Origin::Client && p.name.as_deref() == name {
                 return p.request == Request::ClosePortal;
             }
         }
@@ -232,10 +235,10 @@ impl Replies {
     /// or Close of the statement, a Bind or Close of the portal.
     pub fn next_named_mut(&mut self, statement: bool, name: Option<&[u8]>) -> Option<&mut Pending> {
         self.queue.iter_mut().find(|p| {
-            let sets = match p.request {
-                Request::Parse | Request::CloseStatement => statement,
-                Request::Bind | Request::ClosePortal => !statement,
-                _ => false,
+            let sets = if statement {
+                p.request.sets_statement()
+            } else {
+                p.request.sets_portal()
             };
             sets && p.origin == Origin::Client && p.name.as_deref() == name
         })
