@@ -814,6 +814,92 @@ fn first_write_fails(name: &'static str, table: &str, options: &'static [u8]) ->
                 ]),
                 Ready(4),
             ),
+            // A write that takes no snapshot, then BEGIN, in one batch: the block holds the
+            // write, and nothing commits at the Sync. pgfence once checked there, inside the
+            // block, and the check's snapshot made the client's SET TRANSACTION fail (25001).
+            step(
+                "a write, then BEGIN, in one batch",
+                cat(&[pbe("NOTIFY differential", &[]), pbe("BEGIN", &[]), s()]),
+                Ready(1),
+            ),
+            step(
+                "SET TRANSACTION first in that block",
+                cat(&[
+                    pbe("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ", &[]),
+                    s(),
+                    q("COMMIT"),
+                ]),
+                Ready(2),
+            ),
+            // The same with an error before the BEGIN, in a block that wrote: the next
+            // (empty) batch's Sync gets a check, which meets the failed block. That check's
+            // 25P02 once counted as the one before the pipelined COMMIT's, and pgfence
+            // answered that COMMIT with ROLLBACK where PostgreSQL fails the Query first.
+            step(
+                "a block that wrote, for an error before a BEGIN",
+                q(&format!("BEGIN; INSERT INTO {table} VALUES (11)")),
+                Ready(1),
+            ),
+            step(
+                "an error, then BEGIN, in one batch; an empty batch; a write and COMMIT",
+                cat(&[
+                    pbe("SELECT 1/0", &[]),
+                    pbe("BEGIN", &[]),
+                    s(),
+                    s(),
+                    q(&format!("INSERT INTO {table} VALUES (12); COMMIT")),
+                    q("ROLLBACK"),
+                ]),
+                Ready(4),
+            ),
+            // pgfence waits for the ReadyForQuery of the failed batch in the middle of the
+            // next one, behind its Close. A check placed without it met the failed block
+            // (25P02) where PostgreSQL answers the COMMIT with ROLLBACK and runs the rest,
+            // and the Execute of a portal that is gone with 34000.
+            step(
+                "a block that wrote",
+                q(&format!("BEGIN; INSERT INTO {table} VALUES (9)")),
+                Ready(1),
+            ),
+            step(
+                "a COMMIT behind a Close, behind a batch that failed the block",
+                cat(&[
+                    pbe("SELECT 1/0", &[]),
+                    s(),
+                    wire::close(b'S', "nothing"),
+                    pbe("COMMIT", &[]),
+                    pbe("SELECT 1", &[]),
+                    s(),
+                ]),
+                Ready(2),
+            ),
+            step(
+                "another block that wrote",
+                q(&format!("BEGIN; INSERT INTO {table} VALUES (10)")),
+                Ready(1),
+            ),
+            step(
+                "a portal bound and closed in it",
+                cat(&[
+                    wire::parse("ps", "SELECT 1", &[]),
+                    wire::bind("pp", "ps", &[]),
+                    wire::close(b'P', "pp"),
+                    s(),
+                ]),
+                Ready(1),
+            ),
+            step(
+                "that portal executed behind a Close, behind a batch that failed the block",
+                cat(&[
+                    pbe("SELECT 1/0", &[]),
+                    s(),
+                    wire::close(b'S', "nothing"),
+                    wire::execute("pp", 0),
+                    s(),
+                    q("ROLLBACK"),
+                ]),
+                Ready(3),
+            ),
             step(
                 "rows",
                 q(&format!("SELECT id FROM {table} ORDER BY id")),

@@ -126,10 +126,16 @@ use rand::{Rng, SeedableRng};
 /// `VACUUM` sent after a flushed batch had failed (its Sync ended the server's skipping);
 /// 26580, a Close of a statement the server skipped, which pgfence took as done; 35610, a
 /// portal closed earlier in its batch executed in a failed block (a check before it said
-/// 25P02, not 34000).
+/// 25P02, not 34000); 34894 (the same with the Close in an earlier batch), 51243 and 57295
+/// (a `COMMIT` behind a Close in a batch sent behind one that failed the block), a check
+/// placed in the middle of a batch where pgfence could not wait for the state before it;
+/// 31407 and 60947, a check at the Sync of a batch that began a block, which ran in the
+/// block before the client's `SET TRANSACTION ISOLATION LEVEL` (25001); 44790 and 46554,
+/// found when that check moved to the next Sync: its 25P02 in a failed block taken for the
+/// one of a pipelined COMMIT's check.
 const REGRESSION_SEEDS: &[u64] = &[
     1094, 1242, 2341, 2509, 2860, 5146, 5322, 5480, 5625, 5678, 5732, 5764, 9717, 10281, 26580,
-    35610,
+    31407, 34894, 35610, 44790, 46554, 51243, 57295, 60947,
 ];
 
 /// The fencing resource of the token sessions.

@@ -112,6 +112,7 @@ impl Session {
             match kind {
                 Frontend::Sync => {
                     self.discard_until_sync = None;
+                    self.tx.batch_begun = false;
                     msg::ready_for_query(&mut self.to_client, status);
                 }
                 Frontend::Terminate => return Ok(Flow::Terminate),
@@ -222,6 +223,7 @@ impl Session {
     #[inline]
     fn sent(&mut self, request: Request) {
         if request.is_sync_point() {
+            self.tx.batch_begun = false;
             self.sync_sent.push_back(std::time::Instant::now());
         }
     }
@@ -308,7 +310,11 @@ impl Session {
     /// pgfence this way (a literal to pgfence, a statement to the server) and committed a
     /// stale write. Such a text waits for that ReadyForQuery when one is owed.
     fn lexing_in_doubt(&self, sql: &[u8]) -> bool {
-        if !self.fence.enabled || self.replies.is_empty() || memchr::memchr(b'\\', sql).is_none() {
+        if !self.fence.enabled
+            || self.replies.is_empty()
+            || memchr::memchr(b'\\', sql).is_none()
+            || self.replies.state_settled()
+        {
             return false;
         }
         let other = LexOptions {
@@ -321,13 +327,16 @@ impl Session {
     /// plans its check, because where the check goes depends on them (see
     /// [`super::tx::TxState::placement_depends_on_replies`]): a pipelined COMMIT of a block
     /// an earlier request may have failed, or a savepoint command behind a `BEGIN` or
-    /// `COMMIT` still in flight. Only a request that starts a batch waits: the server
-    /// answers a batch only at its Sync, so pgfence cannot wait in the middle of one, and
-    /// its prediction stands there (see [`CommitCheck`]).
+    /// `COMMIT` still in flight. It waits for the last ReadyForQuery owed, which the server
+    /// sends now: so only at the start of a batch, or behind the part of one that changes
+    /// no transaction state (a `Close`, `Parse` and `Bind` before a `COMMIT`; see
+    /// [`super::replies::Replies::ready_tells_state`]). The server answers a batch only at
+    /// its Sync, so pgfence cannot wait behind a statement of one, and its prediction
+    /// stands there (see [`CommitCheck`]).
     fn waits_for_replies(&self, analysis: &Analysis) -> bool {
         // Cheapest first: a client that waits for each reply has nothing in flight.
         self.fence.enabled
-            && self.replies.ends_at_sync_point()
+            && self.replies.ready_tells_state()
             && analysis
                 .statements
                 .iter()
@@ -344,7 +353,7 @@ impl Session {
     fn on_query(&mut self, frame: &[u8]) -> Result<Flow, SessionError> {
         let sql = msg::query_text(frame).ok_or(SessionError::MalformedClientMessage("Query"))?;
         if self.lexing_in_doubt(sql) {
-            if !self.replies.ends_at_sync_point() {
+            if !self.replies.ready_tells_state() {
                 return Err(SessionError::QueryLexingInDoubt);
             }
             return Ok(self.hold_until_answered());
@@ -579,11 +588,11 @@ impl Session {
         let (name, sql) =
             msg::parse_message(frame).ok_or(SessionError::MalformedClientMessage("Parse"))?;
         if self.lexing_in_doubt(sql) {
-            if self.replies.ends_at_sync_point() {
+            if self.replies.ready_tells_state() {
                 return Ok(self.hold_until_answered());
             }
-            // In the middle of a batch: the server would report the setting only at its
-            // Sync. The statement is one pgfence does not know, which may run anything (a
+            // Behind a statement of its batch: the server would report the setting only at
+            // its Sync. The statement is one pgfence does not know, which may run anything (a
             // portal of it is checked as if it committed).
             let before = if name.is_empty() {
                 self.unnamed_statement.take()
@@ -648,8 +657,9 @@ impl Session {
             // A Parse or Close of the name may yet be refused or skipped, and then this Bind
             // runs the statement the name had (an error in an earlier batch does not skip
             // it). Unless all run alike, the Bind waits for the answer when it starts a
-            // batch; in the middle of one the portal is one pgfence does not know.
-            if self.replies.ends_at_sync_point() {
+            // batch (or follows only Parses, Binds, Describes and Closes of its own); behind
+            // a statement of its batch the portal is one pgfence does not know.
+            if self.replies.ready_tells_state() {
                 return Ok(self.hold_until_answered());
             }
             prepared = None;
@@ -723,7 +733,7 @@ impl Session {
             Some(p) => p.tx_control && self.waits_for_replies(&p.analysis),
             None => {
                 self.fence.enabled
-                    && self.replies.ends_at_sync_point()
+                    && self.replies.ready_tells_state()
                     && self.tx.placement_depends_on_replies(kind)
             }
         };

@@ -52,6 +52,21 @@ impl Request {
         matches!(self, Request::Bind | Request::ClosePortal)
     }
 
+    /// Whether this request (a client's) leaves the transaction's state as it was when it
+    /// succeeds: a Parse, Bind, Describe or Close. (When it fails, the server skips the rest
+    /// of its batch, which then changes nothing either until its Sync.)
+    #[inline]
+    pub fn keeps_transaction_state(self) -> bool {
+        matches!(
+            self,
+            Request::Parse
+                | Request::Bind
+                | Request::Describe
+                | Request::CloseStatement
+                | Request::ClosePortal
+        )
+    }
+
     /// Whether ReadyForQuery ends this request.
     pub fn is_sync_point(self) -> bool {
         matches!(
@@ -300,6 +315,50 @@ impl Replies {
         self.queue
             .back()
             .is_some_and(|p| p.request.is_sync_point() && p.request != Request::SyncInCopy)
+    }
+
+    /// Walks back from the last request sent to the last sync point in flight: `None` when
+    /// one of those requests may change the transaction's state (anything but a client's
+    /// [`Request::keeps_transaction_state`]), else whether such a sync point is in flight.
+    fn state_since_last_sync_point(&self) -> Option<bool> {
+        for p in self.queue.iter().rev() {
+            if p.request.is_sync_point() {
+                return Some(p.request != Request::SyncInCopy);
+            }
+            if p.origin != Origin::Client || !p.request.keeps_transaction_state() {
+                return None;
+            }
+        }
+        Some(false)
+    }
+
+    /// Whether the request at the front is in the last batch sent: no Query, Sync or
+    /// FunctionCall in flight before the last request.
+    pub fn front_in_last_batch(&self) -> bool {
+        let before_last = self.queue.len().saturating_sub(1);
+        !self
+            .queue
+            .iter()
+            .take(before_last)
+            .any(|p| p.request.is_sync_point())
+    }
+
+    /// Whether a ReadyForQuery in flight will tell the transaction's state as it is at this
+    /// point of the client's stream: a Query, Sync or FunctionCall is in flight, and the
+    /// half-sent batch after it (if any) changes no state. The server answers that sync
+    /// point now, and the batch only at its own Sync, so a request that depends on that
+    /// state can wait for the ReadyForQuery in the middle of its batch.
+    #[inline]
+    pub fn ready_tells_state(&self) -> bool {
+        self.state_since_last_sync_point() == Some(true)
+    }
+
+    /// Whether what is still in flight leaves the transaction's state as the last
+    /// ReadyForQuery reported it: nothing, or the start of a batch that changes no state
+    /// (see [`Self::ready_tells_state`]).
+    #[inline]
+    pub fn state_settled(&self) -> bool {
+        self.queue.is_empty() || self.state_since_last_sync_point() == Some(false)
     }
 
     /// The server answered the Execute at the front with CopyInResponse: it is in copy-in

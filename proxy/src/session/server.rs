@@ -226,6 +226,10 @@ impl Session {
                 Origin::Injected(Injected::Check | Injected::PrepareCheck(_))
             ),
         };
+        // A check before a COMMIT is in the last batch sent (the client's next messages
+        // wait for its ReadyForQuery, see `CommitCheck`); one in an earlier batch is a check
+        // of its own Sync.
+        let before_commit = from_check && self.replies.front_in_last_batch();
         if request == Request::Bind
             && origin == Origin::Injected(Injected::Check)
             && fields.code == NO_SUCH_STATEMENT
@@ -275,7 +279,9 @@ impl Session {
                 if let CommitCheck::Sent { found_failed } | CommitCheck::Pending { found_failed } =
                     &mut self.commit_check
                 {
-                    *found_failed = true;
+                    // Not when a check of an earlier Sync met the failed block: the
+                    // COMMIT's own statements (the rest of its Query) may fail first.
+                    *found_failed |= before_commit;
                 }
                 return;
             }
@@ -428,6 +434,16 @@ impl Session {
         }
     }
 
+    /// A request waiting for the replies in flight before its own check (see
+    /// `Session::waits_for_replies`) goes on; not when they were pgfence's own check.
+    fn release_waiting(&mut self, answered: Option<Origin>) {
+        if self.hold == Hold::Waiting
+            && !matches!(answered, Some(Origin::Injected(Injected::CheckSync(_))))
+        {
+            self.hold = Hold::None;
+        }
+    }
+
     fn on_ready(&mut self, frame: &[u8]) {
         let status = msg::ready_status(frame);
         // Pop up to and including the sync point this answers. What is still in flight
@@ -447,11 +463,14 @@ impl Session {
         if settled {
             self.fence.drop_in_flight = false;
         }
+        // Nothing in flight after this ReadyForQuery changes the state it reports (at most
+        // the start of a batch that changes none, sent before a request that waits for it).
+        let state_settled = settled || self.replies.state_settled();
         if !self.fence.accepted.is_empty() && status != b'T' {
             // Idle: the transaction committed (a failure would have come as an error first).
             self.settle_accepted(status == b'I');
         }
-        self.tx.on_ready(status, settled);
+        self.tx.on_ready(status, state_settled);
         self.release_held_complete();
         if settled {
             match self.commit_check {
@@ -479,15 +498,11 @@ impl Session {
                     self.commit_check = CommitCheck::None;
                     self.hold = Hold::None;
                 }
-                CommitCheck::None | CommitCheck::Sent { .. } => {
-                    if self.hold == Hold::Waiting
-                        && !matches!(answered, Some(Origin::Injected(Injected::CheckSync(_))))
-                    {
-                        // A statement waiting for in-flight replies before its own check.
-                        self.hold = Hold::None;
-                    }
-                }
+                CommitCheck::None | CommitCheck::Sent { .. } => self.release_waiting(answered),
             }
+        } else if state_settled && self.commit_check == CommitCheck::None {
+            // A request in the middle of its batch waiting for the state before the batch.
+            self.release_waiting(answered);
         }
         match answered {
             Some(Origin::Injected(Injected::ResetHint)) => {}

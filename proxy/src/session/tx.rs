@@ -33,6 +33,9 @@ pub struct TxState {
     /// An Execute was sent since the last Sync (the extended protocol's implicit
     /// transaction may already hold writes).
     pub batch_has_execute: bool,
+    /// The last transaction control sent since the last sync point is a `BEGIN`: at the
+    /// next Sync nothing commits (see [`TxState::sync_needs_check`]).
+    pub batch_begun: bool,
     /// Check read-only statements too (`fence.skip_read_only = false`).
     pub check_reads: bool,
 }
@@ -60,6 +63,7 @@ impl TxState {
             dirty: false,
             directives: Vec::new(),
             batch_has_execute: false,
+            batch_begun: false,
             check_reads,
         }
     }
@@ -67,10 +71,14 @@ impl TxState {
     /// A statement of this kind is being sent (extended protocol Execute).
     pub fn on_statement(&mut self, kind: StatementKind) {
         match kind {
-            StatementKind::Begin => self.view = View::Unknown,
+            StatementKind::Begin => {
+                self.view = View::Unknown;
+                self.batch_begun = true;
+            }
             StatementKind::Commit | StatementKind::PrepareTransaction | StatementKind::Rollback => {
                 self.end();
                 self.view = View::Unknown;
+                self.batch_begun = false;
             }
             // Outside a block it only fails: nothing to check, and a check added to it would
             // change how it fails.
@@ -89,6 +97,7 @@ impl TxState {
             StatementKind::Execute => {
                 self.dirty = true;
                 self.view = View::Unknown;
+                self.batch_begun = false;
             }
             StatementKind::ReadOnly => self.dirty |= self.check_reads,
             // `DISCARD ALL` cannot run in a block, so nothing may be appended to it; it writes
@@ -140,9 +149,13 @@ impl TxState {
         }
     }
 
-    /// Whether a Sync sent now may end a transaction that wrote.
+    /// Whether a Sync sent now may end a transaction that wrote. Not after a `BEGIN` of its
+    /// batch with no transaction control after it: either the `BEGIN` ran, and the block
+    /// (which holds what the batch wrote before it too) goes on past the Sync, to a COMMIT
+    /// that is checked; or an error skipped it, and the Sync rolls back. A check there would
+    /// run in the block, where `SET TRANSACTION ISOLATION LEVEL` must come first.
     pub fn sync_needs_check(&self) -> bool {
-        self.dirty && !matches!(self.view, View::InBlock | View::Failed)
+        self.dirty && !self.batch_begun && !matches!(self.view, View::InBlock | View::Failed)
     }
 
     /// A ReadyForQuery arrived; `settled` when nothing else is in flight.
@@ -150,6 +163,7 @@ impl TxState {
         if !settled {
             return;
         }
+        self.batch_begun = false;
         self.view = match status {
             b'T' => View::InBlock,
             b'E' => View::Failed,
