@@ -334,13 +334,15 @@ impl Session {
     /// its Sync, so pgfence cannot wait behind a statement of one, and its prediction
     /// stands there (see [`CommitCheck`]).
     fn waits_for_replies(&self, analysis: &Analysis) -> bool {
-        // Cheapest first: a client that waits for each reply has nothing in flight.
+        // Cheapest first: a client that waits for each reply has nothing in flight, and the
+        // queue is walked only for a statement that would wait.
         self.fence.enabled
-            && self.replies.ready_tells_state()
+            && !self.replies.is_empty()
             && analysis
                 .statements
                 .iter()
                 .any(|s| self.tx.placement_depends_on_replies(s.kind))
+            && self.replies.ready_tells_state()
     }
 
     /// Whether a statement that cannot run in a transaction block is checked on its own
@@ -733,8 +735,8 @@ impl Session {
             Some(p) => p.tx_control && self.waits_for_replies(&p.analysis),
             None => {
                 self.fence.enabled
-                    && self.replies.ready_tells_state()
                     && self.tx.placement_depends_on_replies(kind)
+                    && self.replies.ready_tells_state()
             }
         };
         if waits {

@@ -184,6 +184,7 @@ impl Replies {
     /// A client's Parse, Bind or Close of statement or portal `name`.
     #[inline]
     pub fn push_named(&mut self, request: Request, name: &[u8], before: Option<Arc<Prepared>>) {
+        debug_assert!(!request.is_sync_point(), "{request:?} is not named");
         if request.sets_statement() {
             self.statement_changes += 1;
         }
@@ -350,7 +351,12 @@ impl Replies {
     /// state can wait for the ReadyForQuery in the middle of its batch.
     #[inline]
     pub fn ready_tells_state(&self) -> bool {
-        self.state_since_last_sync_point() == Some(true)
+        match self.queue.back() {
+            None => false,
+            // A batch's first message, or a Query: what drivers send.
+            Some(last) if last.request.is_sync_point() => last.request != Request::SyncInCopy,
+            Some(_) => self.state_since_last_sync_point() == Some(true),
+        }
     }
 
     /// Whether what is still in flight leaves the transaction's state as the last
