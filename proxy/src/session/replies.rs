@@ -399,3 +399,88 @@ impl Replies {
         skipped
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{Injected, Origin, QueryPlan, Replies, Request};
+
+    fn queue(requests: &[Request]) -> Replies {
+        let mut replies = Replies::default();
+        for &request in requests {
+            match request {
+                Request::Query => replies.push_query(QueryPlan::default()),
+                Request::Parse | Request::Bind | Request::CloseStatement | Request::ClosePortal => {
+                    replies.push_named(request, b"", None)
+                }
+                _ => replies.push(request, Origin::Client),
+            }
+        }
+        replies
+    }
+
+    /// Pops up to and including the first sync point, as a ReadyForQuery does.
+    fn answer_first_batch(replies: &mut Replies) {
+        while let Some(p) = replies.pop() {
+            if p.request.is_sync_point() {
+                break;
+            }
+        }
+    }
+
+    #[test]
+    fn a_ready_for_query_tells_the_state_behind_requests_that_keep_it() {
+        use Request::*;
+        assert!(
+            !queue(&[]).ready_tells_state(),
+            "nothing in flight: nothing to wait for"
+        );
+        assert!(queue(&[Parse, Bind, Execute, Sync]).ready_tells_state());
+        assert!(queue(&[Query]).ready_tells_state());
+        let mut half_sent = queue(&[Execute, Sync, ClosePortal, Parse, Bind, Describe]);
+        assert!(half_sent.ready_tells_state());
+        assert!(!half_sent.state_settled(), "the Sync is not answered yet");
+        answer_first_batch(&mut half_sent);
+        assert!(half_sent.state_settled());
+        assert!(
+            !half_sent.ready_tells_state(),
+            "no ReadyForQuery owed before the batch"
+        );
+        // A statement in the half-sent batch may change the state: no waiting behind it.
+        let mut behind_statement = queue(&[Sync, Bind, Execute, Bind]);
+        assert!(!behind_statement.ready_tells_state());
+        answer_first_batch(&mut behind_statement);
+        assert!(!behind_statement.state_settled());
+        assert!(!queue(&[Execute, SyncInCopy]).ready_tells_state());
+        assert!(!queue(&[Sync, FunctionCall, Bind, Execute]).ready_tells_state());
+        // pgfence's own requests are not the client's: they may be a check.
+        let mut injected = queue(&[Sync]);
+        injected.push(Bind, Origin::Injected(Injected::Check));
+        assert!(!injected.ready_tells_state());
+    }
+
+    #[test]
+    fn a_check_is_in_the_last_batch_only_with_no_sync_point_before_the_last_request() {
+        use Request::*;
+        let check = Origin::Injected(Injected::Check);
+        // A check before a COMMIT in the batch being sent, or before a lone COMMIT Query.
+        let mut replies = Replies::default();
+        replies.push(Bind, check);
+        replies.push(Execute, check);
+        replies.push(Execute, Origin::Client);
+        assert!(replies.front_in_last_batch());
+        replies.push(Sync, Origin::Client);
+        assert!(replies.front_in_last_batch());
+        let mut lone = Replies::default();
+        lone.push(Bind, check);
+        lone.push(Execute, check);
+        lone.push_query(QueryPlan::default());
+        assert!(lone.front_in_last_batch());
+        // A check of an earlier Sync, with a COMMIT Query pipelined behind it.
+        let mut earlier = Replies::default();
+        earlier.push(Bind, check);
+        earlier.push(Execute, check);
+        earlier.push(Sync, Origin::Client);
+        earlier.push_query(QueryPlan::default());
+        assert!(!earlier.front_in_last_batch());
+    }
+}
