@@ -465,7 +465,7 @@ impl Session {
         }
         // Nothing in flight after this ReadyForQuery changes the state it reports (at most
         // the start of a batch that changes none, sent before a request that waits for it).
-        let state_settled = settled || self.replies.state_settled();
+        let state_settled = self.replies.state_settled();
         if !self.fence.accepted.is_empty() && status != b'T' {
             // Idle: the transaction committed (a failure would have come as an error first).
             self.settle_accepted(status == b'I');

@@ -163,7 +163,6 @@ impl TxState {
         if !settled {
             return;
         }
-        self.batch_begun = false;
         self.view = match status {
             b'T' => View::InBlock,
             b'E' => View::Failed,
