@@ -1119,6 +1119,102 @@ async fn a_pre_check_after_commit_checks_is_still_forced() {
     assert_eq!(fx.count(vacuums).await, 0, "a stale VACUUM ran");
 }
 
+/// A session that only sends simple Queries gets its autocommit writes checked by `EXECUTE`
+/// of the guarded statement, which pgfence prepares right before the second check it would
+/// send as SQL text. A client that drops that statement (`DEALLOCATE`, by name
+/// or all, in its own Query, inside a `DO` block pgfence cannot read) or puts its own
+/// statement under that name is still checked: a stale token set where pgfence cannot see it
+/// is rejected every time, and the write whose check lost its statement fails rather than
+/// commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn simple_queries_execute_the_prepared_check_and_survive_its_loss() {
+    let fx = Fixture::start("CREATE TABLE se (tag text);", |_| {}).await;
+    let r = "executed";
+    fx.leader(r, 20)
+        .await
+        .simple("INSERT INTO se VALUES ('leader 20')")
+        .await
+        .unwrap();
+    let s = fx.session(SUPERUSER, None).await;
+    async fn guarded_prepared(client: &Client) -> bool {
+        let rows = client
+            .simple_query(
+                "SELECT count(*) FROM pg_prepared_statements WHERE name = 'pgfence_check_guarded'",
+            )
+            .await
+            .unwrap();
+        let row = rows.iter().find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(row) => Some(row),
+            _ => None,
+        });
+        row.expect("one row").get(0) == Some("1")
+    }
+    s.simple("INSERT INTO se VALUES ('unfenced 1')")
+        .await
+        .unwrap();
+    assert!(
+        !guarded_prepared(&s.client).await,
+        "a session's first check as text prepares nothing"
+    );
+    s.simple("INSERT INTO se VALUES ('unfenced 2')")
+        .await
+        .unwrap();
+    assert!(
+        guarded_prepared(&s.client).await,
+        "the second check as text makes pgfence prepare its statement"
+    );
+    s.simple(&format!(
+        "SELECT set_config('fencing.resource', '{r}', false), set_config('fencing.token', '19', false)"
+    ))
+    .await
+    .unwrap();
+    let stale_write = "INSERT INTO se VALUES ('hidden 19')";
+    for (losing, fails_once) in [
+        ("SELECT 1", false),
+        ("DEALLOCATE pgfence_check_guarded", false),
+        ("DEALLOCATE ALL", false),
+        (
+            "DEALLOCATE ALL; PREPARE pgfence_check_guarded AS SELECT NULL::text",
+            false,
+        ),
+        (
+            "DO $$ BEGIN EXECUTE 'DEALLOCATE pgfence_check_guarded'; END $$",
+            true,
+        ),
+    ] {
+        let lost = s.simple(losing).await;
+        if fails_once {
+            // A DO block may write, so it is checked: behind its back, the check's own
+            // statement is gone, and the block fails rather than commits.
+            let e = lost.expect_err("a check whose statement is gone fails");
+            assert_eq!(
+                e.as_db_error().map(|e| e.code().code()),
+                Some("26000"),
+                "{losing:?}: {e:?}"
+            );
+        } else {
+            lost.unwrap();
+        }
+        // The first two checks after the loss as text (the second prepares), then `EXECUTE`.
+        // Simple Queries only: pgfence prepares when nothing is in flight, and
+        // tokio-postgres closes an extended query's statement after its reply came back.
+        for round in 1..=3 {
+            let result = s.simple(stale_write).await;
+            assert_rejected(
+                &result,
+                &stale(r, 19, 20),
+                &format!("after {losing:?}, round {round}"),
+            );
+        }
+        assert!(
+            guarded_prepared(&s.client).await,
+            "prepared again after {losing:?}"
+        );
+    }
+    assert_eq!(fx.count("se WHERE tag LIKE 'hidden%'").await, 0);
+    assert_eq!(fx.count("se WHERE tag LIKE 'unfenced%'").await, 2);
+}
+
 /// A session that starts without any fencing setting gets the guarded check
 /// (`fence_core::sql::guarded_check_sql`), which skips `pgfence.check` while the server
 /// session has no fencing settings. Settings made where pgfence cannot see them
@@ -1244,9 +1340,13 @@ async fn a_check_statement_dropped_behind_pgfences_back_is_prepared_again() {
     )
     .await
     .expect("the first write prepares the guarded check");
-    // A DO block is not a DEALLOCATE pgfence can see.
+    // A DO block is not a DEALLOCATE pgfence can see. In a block that rolls back, nothing
+    // is checked after it (a DO block that commits is, and fails: see
+    // `simple_queries_execute_the_prepared_check_and_survive_its_loss`).
     s.client
-        .batch_execute("DO $$ BEGIN EXECUTE 'DEALLOCATE pgfence_check_guarded'; END $$")
+        .batch_execute(
+            "BEGIN; DO $$ BEGIN EXECUTE 'DEALLOCATE pgfence_check_guarded'; END $$; ROLLBACK",
+        )
         .await
         .expect("the statement exists, so the DO block drops it");
     let err = s

@@ -451,6 +451,10 @@ impl Session {
             self.hold = Hold::Waiting;
             return Ok(Flow::Pause);
         }
+        // Nothing in flight and no block open: pgfence may prepare a statement first.
+        let quiet = self.tx.view == View::Idle
+            && self.replies.is_empty()
+            && self.commit_check == CommitCheck::None;
         let plan = self.tx.plan_simple(analysis);
         if plan.is_empty() {
             self.forward(frame, Request::Query);
@@ -462,10 +466,11 @@ impl Session {
         let mut copied = 0;
         let mut inserted = Vec::new();
         let mut chars_before = 0;
+        let mut prepare = None;
         for (n, &(offset, index)) in plan.before.iter().enumerate() {
             text.extend_from_slice(&sql[copied..offset]);
             let at = text.len();
-            self.check_literal(&mut text);
+            prepare = prepare.or(self.simple_check(&mut text));
             text.extend_from_slice(b";\n");
             if let Some(counted) = self.char_count(&sql[copied..offset]) {
                 // The check's text is ASCII: one character per byte.
@@ -483,12 +488,15 @@ impl Session {
         text.extend_from_slice(&sql[copied..]);
         if plan.at_end {
             text.extend_from_slice(b"\n;");
-            self.check_literal(&mut text);
+            prepare = prepare.or(self.simple_check(&mut text));
             checks.push(count(analysis.statements.len() + plan.before.len()));
         }
         self.shared.stats.checks.add();
         self.tx.directives.clear();
         self.check_sent = Some(std::time::Instant::now());
+        if let (Some(statement), true) = (prepare, quiet) {
+            self.prepare_before_query(statement);
+        }
         self.sent(Request::Query);
         msg::query(&mut self.to_server, &text);
         let statements = count(analysis.statements.len() + checks.len());

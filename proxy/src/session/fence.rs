@@ -128,6 +128,9 @@ pub struct FenceSettings {
     /// pgfence does not know) went upstream and its replies are not all in: its
     /// CommandComplete makes pgfence forget them again (see [`Self::dropping_prepared`]).
     pub drop_in_flight: bool,
+    /// The check statement a simple Query's check, sent as SQL text, stood for since it was
+    /// last prepared: the next such check prepares it (see `Session::simple_check`).
+    pub sent_as_text: Option<CheckStatement>,
 }
 
 impl FenceSettings {
@@ -194,6 +197,7 @@ impl FenceSettings {
             accepted: Vec::new(),
             hint_outlives_prepare: false,
             drop_in_flight: false,
+            sent_as_text: None,
         }
     }
 
@@ -216,7 +220,9 @@ impl FenceSettings {
     /// pgfence's statements, it exists now.
     pub fn prepared(&mut self, origin: Origin) {
         match origin {
-            Origin::Injected(Injected::PrepareCheck(statement)) => {
+            Origin::Injected(
+                Injected::PrepareCheck(statement) | Injected::PrepareIdle(statement),
+            ) => {
                 self.checks_prepared[statement as usize] = true;
             }
             Origin::Injected(Injected::Prepare) => self.fast_reject_prepared = true,
@@ -229,7 +235,9 @@ impl FenceSettings {
     /// The others stay (preparing an existing one again would fail with 42P05).
     pub fn not_prepared(&mut self, origin: Origin) {
         match origin {
-            Origin::Injected(Injected::PrepareCheck(statement)) => {
+            Origin::Injected(
+                Injected::PrepareCheck(statement) | Injected::PrepareIdle(statement),
+            ) => {
                 self.checks_prepared[statement as usize] = false;
             }
             Origin::Injected(Injected::Prepare) => self.fast_reject_prepared = false,
@@ -302,38 +310,90 @@ impl Session {
     /// converts nothing (docs/fence-locking.md). While the session looks unfenced, that
     /// statement is the guarded one.
     fn prepare_check(&mut self, force: bool) -> CheckStatement {
-        let statement = if force || !self.tx.directives.is_empty() {
+        let statement = self.check_statement(force);
+        if !self.fence.checks_prepared[statement as usize] {
+            // Marked prepared when the server says so (ParseComplete): until then, another
+            // check prepares it again, since this Parse may yet be skipped after an error
+            // pgfence has not seen (the Close makes that harmless).
+            self.send_prepare(statement, Injected::PrepareCheck(statement));
+        }
+        statement
+    }
+
+    /// The statement this transaction's check uses (see [`Session::prepare_check`]).
+    fn check_statement(&self, force: bool) -> CheckStatement {
+        if force || !self.tx.directives.is_empty() {
             CheckStatement::Plain
         } else if !self.fence.looks_fenced && self.fence.default_resource.is_none() {
             CheckStatement::Guarded
         } else {
             CheckStatement::Session
-        };
-        if !self.fence.checks_prepared[statement as usize] {
-            // Marked prepared when the server says so (ParseComplete): until then, another
-            // check prepares it again, since this Parse may yet be skipped after an error
-            // pgfence has not seen (the Close makes that harmless).
-            let sql = match statement {
-                CheckStatement::Guarded => {
-                    sql::guarded_check_sql(&self.fence.allow_missing, &self.fence.client)
-                }
-                CheckStatement::Session => {
-                    let mut sql = Vec::with_capacity(128);
-                    self.check_literal(&mut sql);
-                    sql
-                }
-                CheckStatement::Plain => sql::CHECK_SQL.as_bytes().to_vec(),
-            };
-            // Closed first: pgfence may have forgotten a statement that still exists (a
-            // DEALLOCATE of another name, or one that failed), and a Parse of an existing
-            // name fails (42P05).
-            let origin = Origin::Injected(Injected::PrepareCheck(statement));
-            msg::close(&mut self.to_server, b'S', statement.name());
-            self.replies.push(Request::Close, origin);
-            msg::parse(&mut self.to_server, statement.name(), &sql);
-            self.replies.push(Request::Parse, origin);
         }
-        statement
+    }
+
+    /// Sends the Parse of `statement`, as `injected`.
+    fn send_prepare(&mut self, statement: CheckStatement, injected: Injected) {
+        let sql = match statement {
+            CheckStatement::Guarded => {
+                sql::guarded_check_sql(&self.fence.allow_missing, &self.fence.client)
+            }
+            CheckStatement::Session => {
+                let mut sql = Vec::with_capacity(128);
+                self.check_literal(&mut sql);
+                sql
+            }
+            CheckStatement::Plain => sql::CHECK_SQL.as_bytes().to_vec(),
+        };
+        // Closed first: pgfence may have forgotten a statement that still exists (a
+        // DEALLOCATE of another name, or one that failed), and a Parse of an existing
+        // name fails (42P05).
+        let origin = Origin::Injected(injected);
+        msg::close(&mut self.to_server, b'S', statement.name());
+        self.replies.push(Request::Close, origin);
+        msg::parse(&mut self.to_server, statement.name(), &sql);
+        self.replies.push(Request::Parse, origin);
+    }
+
+    /// Appends the check of a rewritten simple Query: `EXECUTE` of the check's statement
+    /// when the upstream connection has it, so that the server neither parses nor plans the
+    /// call again (about 40,000 instructions of an autocommit `UPDATE` without a token,
+    /// docs/benchmarks.md#simple-execute); otherwise the call as SQL text. Returns the
+    /// statement to prepare before this Query when the session is idle: from the second
+    /// check sent as text, so that a session with a single write pays no Parse for it.
+    pub(super) fn simple_check(&mut self, out: &mut Vec<u8>) -> Option<CheckStatement> {
+        let statement = self.check_statement(false);
+        if statement == CheckStatement::Plain {
+            // Its arguments are this transaction's comments: as literals.
+            self.check_literal(out);
+            return None;
+        }
+        if self.fence.checks_prepared[statement as usize] {
+            out.extend_from_slice(b"EXECUTE ");
+            out.extend_from_slice(statement.name());
+            return None;
+        }
+        self.check_literal(out);
+        if self.fence.sent_as_text == Some(statement) {
+            Some(statement)
+        } else {
+            self.fence.sent_as_text = Some(statement);
+            None
+        }
+    }
+
+    /// Prepares `statement` for the simple Queries' checks, right before the client's Query
+    /// and while nothing is in flight and no block is open: with a Sync of its own, so that
+    /// its failure cannot fail anything of the client's, and replies that are pgfence's
+    /// alone. The Query itself still carries the check as text (should the Parse fail, the
+    /// client sees the check's own error, not a missing statement's).
+    pub(super) fn prepare_before_query(&mut self, statement: CheckStatement) {
+        self.fence.sent_as_text = None;
+        self.send_prepare(statement, Injected::PrepareIdle(statement));
+        msg::sync(&mut self.to_server);
+        self.replies.push(
+            Request::Sync,
+            Origin::Injected(Injected::PrepareIdle(statement)),
+        );
     }
 
     /// Injects the check (extended protocol messages) into the upstream stream, here.

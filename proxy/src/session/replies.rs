@@ -93,6 +93,10 @@ pub enum Injected {
     /// Preparing this check statement: in an aborted transaction it fails with 25P02 as the
     /// check itself would.
     PrepareCheck(CheckStatement),
+    /// Preparing this check statement, for the `EXECUTE` of simple Queries' checks, while
+    /// the session is idle with nothing in flight: Close, Parse and a Sync of its own, whose
+    /// replies, an error included, are pgfence's alone.
+    PrepareIdle(CheckStatement),
     /// Binding or executing the commit-time check.
     Check,
     /// Binding the fast-path rejection (its Execute stands in for the client's).

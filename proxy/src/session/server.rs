@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use fence_core::rejection::Rejection;
+use tracing::debug;
 
 use crate::error::SessionError;
 use crate::protocol::message::{self as msg, Backend};
@@ -230,12 +231,13 @@ impl Session {
         // wait for its ReadyForQuery, see `CommitCheck`); one in an earlier batch is a check
         // of its own Sync.
         let before_commit = from_check && self.replies.front_in_last_batch();
-        if request == Request::Bind
-            && origin == Origin::Injected(Injected::Check)
-            && fields.code == NO_SUCH_STATEMENT
+        if fields.code == NO_SUCH_STATEMENT
+            && ((request == Request::Bind && origin == Origin::Injected(Injected::Check))
+                || (request == Request::Query && from_check))
         {
             // Dropped behind pgfence's back (a client's `DEALLOCATE pgfence_check_session`):
-            // this check fails, the next one prepares its statement again.
+            // this check (its Bind, or its `EXECUTE` in a Query) fails, the next one
+            // prepares its statement again.
             self.fence.forget_prepared();
         }
         if !request.is_sync_point() {
@@ -294,6 +296,16 @@ impl Session {
             // The implicit transaction failed at its end: no command tag for its last
             // statement, as from PostgreSQL.
             self.held_complete = None;
+        }
+        if let Origin::Injected(Injected::PrepareIdle(statement)) = origin {
+            // pgfence's own, in a Sync of its own: simple Queries' checks stay SQL text.
+            debug!(
+                ?statement,
+                code = %String::from_utf8_lossy(fields.code),
+                message = %String::from_utf8_lossy(fields.message),
+                "cannot prepare the check statement"
+            );
+            return;
         }
         if let Some(r) = &rejection {
             let path = if fast || origin == Origin::Injected(Injected::FastReject) {
@@ -505,7 +517,7 @@ impl Session {
             self.release_waiting(answered);
         }
         match answered {
-            Some(Origin::Injected(Injected::ResetHint)) => {}
+            Some(Origin::Injected(Injected::ResetHint | Injected::PrepareIdle(_))) => {}
             Some(Origin::Injected(Injected::CheckSync(AfterCheck::Release))) => {
                 self.hold = if self.check_failed {
                     Hold::Failed(status)
