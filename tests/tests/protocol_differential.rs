@@ -106,6 +106,63 @@ fn main_steps(abs_oid: u32) -> Vec<Step> {
             Ready(2),
         ),
         step(
+            // The server skips everything up to the Sync after an error, a Query included;
+            // pgfence must not wait for that Query's ReadyForQuery, nor check it.
+            "a Query in the middle of a batch that failed, before its Sync",
+            cat(&[
+                pbe("INSERT INTO d VALUES (6, 'f')", &[]),
+                pbe("SELECT 1/0", &[]),
+                q("INSERT INTO d VALUES (7, 'g')"),
+                wire::sync(),
+                q("SELECT count(*) FROM d"),
+            ]),
+            Ready(2),
+        ),
+        step(
+            "a Query sent in a batch whose error came back before the batch's Sync was sent",
+            cat(&[
+                pbe("INSERT INTO d VALUES (6, 'f')", &[]),
+                pbe("SELECT 1/0", &[]),
+                q("INSERT INTO d VALUES (7, 'g')"),
+            ]),
+            Tag(b'E'),
+        ),
+        step(
+            "that batch's Sync",
+            cat(&[
+                q("INSERT INTO d VALUES (7, 'g')"),
+                wire::sync(),
+                q("SELECT count(*) FROM d"),
+            ]),
+            Ready(2),
+        ),
+        step(
+            "a block that wrote",
+            q("BEGIN; INSERT INTO d VALUES (11, 'k')"),
+            Ready(1),
+        ),
+        step(
+            "its COMMIT as a Query behind a Parse that fails, with no Sync in flight",
+            cat(&[wire::parse("", "SELEC 1", &[]), q("COMMIT")]),
+            Tag(b'E'),
+        ),
+        step(
+            "the Sync the server skipped that COMMIT for, then the block's end",
+            cat(&[wire::sync(), q("ROLLBACK"), q("SELECT count(*) FROM d")]),
+            Ready(3),
+        ),
+        step(
+            "a Query in the middle of a batch whose writes succeed, before its Sync",
+            cat(&[
+                pbe("INSERT INTO d VALUES (8, 'h')", &[]),
+                q("INSERT INTO d VALUES (9, 'i')"),
+                pbe("INSERT INTO d VALUES (10, 'j')", &[]),
+                wire::sync(),
+                q("SELECT count(*) FROM d"),
+            ]),
+            Ready(3),
+        ),
+        step(
             "failed transaction, pipelined simple queries",
             cat(&[
                 q("BEGIN; INSERT INTO d VALUES (5, 'e')"),

@@ -74,6 +74,12 @@ impl Request {
             Request::Query | Request::Sync | Request::SyncInCopy | Request::FunctionCall
         )
     }
+
+    /// Ends the server's skipping after an error in the extended protocol: a Sync. (A
+    /// Query or FunctionCall sent before that Sync is skipped like the rest.)
+    pub fn ends_a_skip(self) -> bool {
+        matches!(self, Request::Sync | Request::SyncInCopy)
+    }
 }
 
 /// Who sent the request, and so what happens to its replies.
@@ -389,15 +395,21 @@ impl Replies {
     }
 
     /// After an error in the extended protocol the server skips every message up to the
-    /// next Sync: drops their entries and returns them (none of them happened). It skips a
-    /// Query too, which stays in the queue: see `Session::sync_after_skipped_commit`.
+    /// next Sync, Queries and FunctionCalls included: drops their entries and returns them
+    /// (none of them happened). Without a Sync in flight it stops at the first Query or
+    /// FunctionCall, which the server skips too, up to a Sync yet to be sent: the caller
+    /// knows whether that is the client's (see `Session::on_error`) or pgfence's, after a
+    /// check before a client's COMMIT (see `Session::sync_after_skipped_commit`).
     pub fn skip_to_sync(&mut self) -> Vec<Pending> {
+        let sync_in_flight = self.queue.iter().any(|p| p.request.ends_a_skip());
         let mut skipped = Vec::new();
-        while self
-            .queue
-            .front()
-            .is_some_and(|p| !p.request.is_sync_point())
-        {
+        while self.queue.front().is_some_and(|p| {
+            if sync_in_flight {
+                !p.request.ends_a_skip()
+            } else {
+                !p.request.is_sync_point()
+            }
+        }) {
             skipped.extend(self.pop());
         }
         skipped
@@ -429,6 +441,31 @@ mod tests {
                 break;
             }
         }
+    }
+
+    #[test]
+    fn an_error_skips_queries_up_to_the_sync_in_flight() {
+        use Request::*;
+        let requests = |skipped: &[super::Pending]| -> Vec<Request> {
+            skipped.iter().map(|p| p.request).collect()
+        };
+        let mut synced = queue(&[Bind, Execute, Query, FunctionCall, Parse, Sync, Query]);
+        synced.pop();
+        assert_eq!(
+            requests(&synced.skip_to_sync()),
+            [Execute, Query, FunctionCall, Parse]
+        );
+        assert_eq!(synced.front().map(|p| p.request), Some(Sync));
+        // No Sync in flight: the caller decides about the Query (the client's Sync, or
+        // pgfence's after a check before a COMMIT).
+        let mut unsynced = queue(&[Bind, Execute, Query, Parse]);
+        unsynced.pop();
+        assert_eq!(requests(&unsynced.skip_to_sync()), [Execute]);
+        assert_eq!(unsynced.front().map(|p| p.request), Some(Query));
+        let mut in_copy = queue(&[Execute, Query, SyncInCopy]);
+        in_copy.pop();
+        assert_eq!(requests(&in_copy.skip_to_sync()), [Query]);
+        assert_eq!(in_copy.front().map(|p| p.request), Some(SyncInCopy));
     }
 
     #[test]

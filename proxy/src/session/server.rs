@@ -242,7 +242,33 @@ impl Session {
         }
         if !request.is_sync_point() {
             let failed = self.replies.pop();
-            let skipped = self.replies.skip_to_sync();
+            let mut skipped = self.replies.skip_to_sync();
+            let commit_after_check =
+                from_check && matches!(self.commit_check, CommitCheck::Pending { .. });
+            if !commit_after_check
+                && self
+                    .replies
+                    .front()
+                    .is_some_and(|p| p.origin == Origin::Client && !p.request.ends_a_skip())
+            {
+                // A Query (or FunctionCall) of the client's with no Sync in flight: the
+                // server skips it too, and all after it, up to the Sync still to come. A
+                // COMMIT among them never runs, and what the client sends next, held until
+                // they were answered, goes to the server as it is, up to that Sync.
+                while let Some(p) = self.replies.pop() {
+                    skipped.push(p);
+                }
+                self.commit_check = CommitCheck::None;
+                if self.hold == Hold::Waiting {
+                    self.hold = Hold::None;
+                }
+            }
+            for p in &skipped {
+                if p.origin == Origin::Client && p.request.is_sync_point() {
+                    // Never answered: its start is not a query's latency.
+                    self.sync_sent.pop_front();
+                }
+            }
             // No Sync in flight: the server skips what the client sends up to its Sync.
             self.skipping_to_sync = self.replies.is_empty();
             // The client's COMMIT is the first of its messages skipped after a check.
