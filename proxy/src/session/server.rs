@@ -186,6 +186,10 @@ impl Session {
         self.forward_if_client(frame);
     }
 
+    // Out of line: an error is never the per-message path, and inlined into `on_server_frame`
+    // it made the compiler move that out of `on_server_bytes` (+170 instructions per
+    // select-only transaction under callgrind).
+    #[inline(never)]
     fn on_error(&mut self, frame: &[u8]) {
         if !self.fence.accepted.is_empty() {
             // Whatever failed, the transaction of the accepted tokens may not commit.
