@@ -119,6 +119,16 @@ fn main_steps(abs_oid: u32) -> Vec<Step> {
             Ready(2),
         ),
         step(
+            "a FunctionCall in the middle of a batch that failed, before its Sync",
+            cat(&[
+                pbe("SELECT 1/0", &[]),
+                wire::function_call(abs_oid, &[Some(b"-5")]),
+                wire::sync(),
+                wire::function_call(abs_oid, &[Some(b"-6")]),
+            ]),
+            Ready(2),
+        ),
+        step(
             "a Query sent in a batch whose error came back before the batch's Sync was sent",
             cat(&[
                 pbe("INSERT INTO d VALUES (6, 'f')", &[]),
