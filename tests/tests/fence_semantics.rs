@@ -1953,6 +1953,86 @@ async fn a_write_before_begin_in_its_batch_is_checked_at_commit() {
     assert_eq!(fx.count("before_begin WHERE tag LIKE 'stale%'").await, 0);
 }
 
+/// A Query or FunctionCall sent inside an extended-protocol batch, before its Sync, runs in
+/// the batch's implicit transaction and commits it, with what the batch wrote before it.
+/// pgfence checks there, in that transaction, before the message. `protocol_random`'s runs
+/// with Queries inside batches found (2026-12-03) a FunctionCall there committing a stale
+/// write; so did a lone `SET LOCAL` (a statement that alone writes nothing, so pgfence added
+/// no check to it). A lone `VACUUM` there failed with another 25001 than PostgreSQL's
+/// ("cannot run inside a transaction block": pgfence's check made the Query an implicit
+/// block).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_query_or_function_call_inside_a_batch_is_checked_with_what_the_batch_wrote() {
+    for fast_path in [false, true] {
+        let (fx, options) = Fixture::after_leader_34("inside", |c| {
+            c.fence.fast_path = fast_path;
+        })
+        .await;
+        let abs: u32 = fx
+            .direct
+            .query_one("SELECT 'abs(int4)'::regprocedure::oid", &[])
+            .await
+            .unwrap()
+            .get(0);
+        let mut stale = fx.raw_session(&options);
+        let inside = [
+            ("a FunctionCall", wire::function_call(abs, &[Some(b"-5")])),
+            ("SET LOCAL", wire::query("SET LOCAL application_name = 'x'")),
+            ("DISCARD ALL", wire::query("DISCARD ALL")),
+            ("SAVEPOINT", wire::query("SAVEPOINT s")),
+            ("VACUUM", wire::query("VACUUM inside")),
+            ("a read", wire::query("SELECT 1")),
+        ];
+        for (what, message) in inside {
+            let context = format!("{what} inside a batch that wrote, fast path {fast_path}");
+            stale.send(
+                &[
+                    pbe(&format!(
+                        "INSERT INTO inside VALUES ('stale before {what}')"
+                    )),
+                    message,
+                    wire::sync(),
+                ]
+                .concat(),
+            );
+            // The check fails before the message, and the server skips the rest of the
+            // batch: one ReadyForQuery, the Sync's.
+            expect_raw_rejection(&mut stale, &context);
+            stale.send(&wire::query("SELECT 1"));
+            let replies = stale.until_ready();
+            assert!(
+                replies.iter().all(|m| m.tag != b'E'),
+                "{context}: the session is not usable after: {replies:?}"
+            );
+        }
+        assert_eq!(fx.count("inside WHERE tag LIKE 'stale%'").await, 0);
+        // The leader's lone `VACUUM` inside a batch that wrote gets PostgreSQL's own answer
+        // (not one of pgfence's making), and the write rolls back.
+        let mut leader = fx.raw_session("-c fencing.token=34 -c fencing.resource=inside");
+        leader.send(
+            &[
+                pbe("INSERT INTO inside VALUES ('leader before VACUUM')"),
+                wire::query("VACUUM inside"),
+                wire::sync(),
+            ]
+            .concat(),
+        );
+        let mut replies = leader.until_ready();
+        replies.extend(leader.until_ready());
+        let error = replies.iter().find(|m| m.tag == b'E').expect("an error");
+        wire::assert_error(error, "ERROR", "25001");
+        assert_eq!(
+            error.field(b'M').as_deref(),
+            Some("VACUUM cannot be executed within a pipeline"),
+            "{replies:?}"
+        );
+        assert_eq!(
+            fx.count("inside WHERE tag = 'leader before VACUUM'").await,
+            0
+        );
+    }
+}
+
 /// `COMMIT PREPARED` and `ROLLBACK PREPARED` finish a transaction checked at its `PREPARE
 /// TRANSACTION`: they are not checked again. A check before them, in a transaction of its
 /// own, waited for the prepared transaction's locks on its fence, held until the very

@@ -173,6 +173,31 @@ fn main_steps(abs_oid: u32) -> Vec<Step> {
             Ready(3),
         ),
         step(
+            // Each commits what its batch wrote before it (or fails, and rolls it back):
+            // pgfence checks before it, and must leave it alone, not in an implicit block
+            // with the check (a different error for `SAVEPOINT` and `VACUUM`).
+            "lone statements and a FunctionCall inside batches that wrote, before their Sync",
+            cat(&[
+                pbe("INSERT INTO d VALUES (12, 'l')", &[]),
+                q("SAVEPOINT s"),
+                wire::sync(),
+                pbe("INSERT INTO d VALUES (13, 'm')", &[]),
+                q("SET LOCAL application_name = 'inside'"),
+                wire::sync(),
+                pbe("INSERT INTO d VALUES (14, 'n')", &[]),
+                q("VACUUM d"),
+                wire::sync(),
+                pbe("INSERT INTO d VALUES (15, 'o')", &[]),
+                q("DISCARD ALL"),
+                wire::sync(),
+                pbe("INSERT INTO d VALUES (16, 'p')", &[]),
+                wire::function_call(abs_oid, &[Some(b"-7")]),
+                wire::sync(),
+                q("SELECT count(*) FROM d"),
+            ]),
+            Ready(11),
+        ),
+        step(
             "failed transaction, pipelined simple queries",
             cat(&[
                 q("BEGIN; INSERT INTO d VALUES (5, 'e')"),

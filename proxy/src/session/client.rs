@@ -352,6 +352,25 @@ impl Session {
         self.fence.enabled && self.tx.view == View::Idle && !self.tx.batch_has_execute
     }
 
+    /// Whether a Query or FunctionCall sent now lands inside an extended-protocol batch,
+    /// before its Sync: an Execute was sent since the last sync point, or requests of a
+    /// batch are in flight behind it. The server runs such a message in the batch's
+    /// implicit transaction and commits it at the message's end, with what the batch wrote
+    /// before it (unless a block is open).
+    fn inside_batch(&self) -> bool {
+        self.tx.batch_has_execute
+            || (!self.replies.is_empty() && !self.replies.ends_at_sync_point())
+    }
+
+    /// Whether the batch's transaction may commit at a Query or FunctionCall inside it: no
+    /// block is known to be open or failed, and no `BEGIN` of this batch opened one.
+    fn batch_commits_inside(&self) -> bool {
+        self.fence.enabled
+            && matches!(self.tx.view, View::Idle | View::Unknown)
+            && !self.tx.batch_begun
+            && self.inside_batch()
+    }
+
     fn on_query(&mut self, frame: &[u8]) -> Result<Flow, SessionError> {
         let sql = msg::query_text(frame).ok_or(SessionError::MalformedClientMessage("Query"))?;
         if self.lexing_in_doubt(sql) {
@@ -405,6 +424,16 @@ impl Session {
                     self.inject_check_with_sync(true, AfterCheck::Release);
                     return Ok(self.hold_until_answered());
                 }
+                None if self.tx.view == View::Idle && self.batch_commits_inside() => {
+                    // Inside a batch: the statement commits what the batch wrote, and runs
+                    // alone (no implicit block) as it would outside one. Checked first, in
+                    // that transaction, with no Sync (which would end the client's batch).
+                    self.tx.add_directives(&analysis.directives);
+                    self.inject_check(true);
+                    self.tx.end();
+                    self.forward(frame, Request::Query);
+                    return Ok(Flow::Continue);
+                }
                 None if (self.precheck_possible() || self.tx.view == View::Unknown)
                     && self.replies.ends_at_sync_point() =>
                 {
@@ -428,6 +457,14 @@ impl Session {
             {
                 return Ok(self.fast_reject_query(analysis, resource, token, fence));
             }
+        }
+        if self.tx.sync_needs_check() && self.batch_commits_inside() {
+            // The Query ends the batch's implicit transaction: what the batch wrote is checked
+            // before it, as at a Sync, and the Query's own statements as if it came alone (a
+            // check added to its text would make a lone `SAVEPOINT`, `LOCK` or `SET LOCAL`
+            // run in an implicit block, and one it takes for block-sensitive would get none).
+            self.inject_check(false);
+            self.tx.end();
         }
         self.tx.add_directives(&analysis.directives);
         if matches!(
@@ -567,8 +604,9 @@ impl Session {
     /// A FunctionCall outside a transaction block is a transaction of its own, committed
     /// before pgfence could add anything to it: like a statement that cannot run in a
     /// block, it is checked first, in a transaction of its own. Inside a block, the check
-    /// at COMMIT covers it. (One sent in the middle of an extended-protocol batch, before
-    /// its Sync, is not checked first; no known client does that.)
+    /// at COMMIT covers it. Inside an extended-protocol batch, before its Sync, it commits
+    /// the batch's implicit transaction: checked first in that transaction, with no Sync
+    /// (if the check fails, the server skips the call and the rest of the batch).
     fn on_function_call(&mut self, frame: &[u8]) -> Flow {
         if self.fence.enabled {
             match self.take_hold() {
@@ -581,6 +619,10 @@ impl Session {
                 None if self.precheck_possible() && self.replies.is_empty() => {
                     self.inject_check_with_sync(true, AfterCheck::Release);
                     return self.hold_until_answered();
+                }
+                None if self.batch_commits_inside() => {
+                    self.inject_check(true);
+                    self.tx.end();
                 }
                 None if self.replies.awaits_ready() && !self.tx.batch_has_execute => {
                     // Whether a block is open is known once the replies in flight are in.
