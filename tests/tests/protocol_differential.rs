@@ -198,6 +198,37 @@ fn main_steps(abs_oid: u32) -> Vec<Step> {
             Ready(11),
         ),
         step(
+            // The check before the Query is in the block its `BEGIN` makes of the batch's
+            // transaction: its portal must not outlive it (the next check's Bind failed
+            // with 42P03 and failed the block).
+            "a Query with BEGIN inside a batch that wrote, then a write before the Sync",
+            cat(&[
+                pbe("INSERT INTO d VALUES (17, 'q')", &[]),
+                q("INSERT INTO d VALUES (18, 'r'); BEGIN"),
+                pbe("INSERT INTO d VALUES (19, 's')", &[]),
+                wire::sync(),
+                q("COMMIT"),
+                q("SELECT count(*) FROM d"),
+            ]),
+            Ready(4),
+        ),
+        step(
+            // Behind a `ROLLBACK` of its batch pgfence cannot tell whether a block is open,
+            // nor wait: alone, the savepoint commands commit nothing, so they get no check
+            // (one made the Query an implicit block, with another error location).
+            "lone savepoint commands inside a batch behind its ROLLBACK",
+            cat(&[
+                pbe("ROLLBACK", &[]),
+                pbe("SELECT 1", &[]),
+                q("ROLLBACK TO SAVEPOINT s"),
+                wire::sync(),
+                pbe("COMMIT", &[]),
+                q("SAVEPOINT s"),
+                wire::sync(),
+            ]),
+            Ready(4),
+        ),
+        step(
             "failed transaction, pipelined simple queries",
             cat(&[
                 q("BEGIN; INSERT INTO d VALUES (5, 'e')"),

@@ -429,7 +429,7 @@ impl Session {
                     // alone (no implicit block) as it would outside one. Checked first, in
                     // that transaction, with no Sync (which would end the client's batch).
                     self.tx.add_directives(&analysis.directives);
-                    self.inject_check(true);
+                    self.inject_check_inside_batch(true);
                     self.tx.end();
                     self.forward(frame, Request::Query);
                     return Ok(Flow::Continue);
@@ -463,7 +463,7 @@ impl Session {
             // before it, as at a Sync, and the Query's own statements as if it came alone (a
             // check added to its text would make a lone `SAVEPOINT`, `LOCK` or `SET LOCAL`
             // run in an implicit block, and one it takes for block-sensitive would get none).
-            self.inject_check(false);
+            self.inject_check_inside_batch(false);
             self.tx.end();
         }
         self.tx.add_directives(&analysis.directives);
@@ -621,7 +621,7 @@ impl Session {
                     return self.hold_until_answered();
                 }
                 None if self.batch_commits_inside() => {
-                    self.inject_check(true);
+                    self.inject_check_inside_batch(true);
                     self.tx.end();
                 }
                 None if self.replies.awaits_ready() && !self.tx.batch_has_execute => {

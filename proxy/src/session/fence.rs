@@ -430,13 +430,28 @@ impl Session {
         // (a check before a Sync while pgfence cannot tell whether a block is open) may be
         // checked again: close the portal then, so it can be bound again.
         if self.tx.view == View::Unknown {
-            msg::close(&mut self.to_server, b'P', CHECK_NAME);
-            self.replies
-                .push(Request::Close, Origin::Injected(Injected::Check));
+            self.close_check_portal();
         }
         self.tx.directives.clear();
         self.check_sent = Some(std::time::Instant::now());
         self.shared.stats.checks.add();
+    }
+
+    fn close_check_portal(&mut self) {
+        msg::close(&mut self.to_server, b'P', CHECK_NAME);
+        self.replies
+            .push(Request::Close, Origin::Injected(Injected::Check));
+    }
+
+    /// Injects a check before a Query or FunctionCall inside an extended-protocol batch,
+    /// which commits the batch's implicit transaction, unless a `BEGIN` in that Query makes
+    /// the transaction a block that goes on: the check's portal is closed after it either way.
+    pub(super) fn inject_check_inside_batch(&mut self, force: bool) {
+        let closes = self.tx.view == View::Unknown;
+        self.inject_check(force);
+        if !closes {
+            self.close_check_portal();
+        }
     }
 
     /// Injects a check that runs to its own Sync.

@@ -188,15 +188,23 @@ impl TxState {
             View::Unknown => None,
         };
         if let [only] = &*analysis.statements {
-            if only.block_sensitive && in_block != Some(true) {
+            let savepoint = matches!(
+                only.kind,
+                StatementKind::Savepoint | StatementKind::RollbackToSavepoint
+            );
+            if (only.block_sensitive || savepoint) && in_block != Some(true) {
                 // A check after it would make the Query an implicit block, where it does
                 // something else than alone outside one (`LOCK` runs, `SET LOCAL` does not
-                // warn, `DISCARD ALL` fails). Alone outside a block it writes nothing: it
-                // fails, warns, or resets the session. Inside a block (if a `BEGIN` in
-                // flight opened one) the COMMIT is checked; and if none is open, what made
-                // the session dirty never ran (it was planned in the block that `BEGIN`
-                // was to open, and a `BEGIN` fails only in a failed block).
-                self.dirty |= in_block.is_none();
+                // warn, `DISCARD ALL` fails, the savepoint commands fail elsewhere). Alone
+                // outside a block it writes nothing: it fails, warns, or resets the
+                // session. Inside a block (if a `BEGIN` in flight opened one) the COMMIT
+                // is checked; and if none is open, what made the session dirty never ran
+                // (it was planned in the block that `BEGIN` was to open, and a `BEGIN`
+                // fails only in a failed block), or was checked before this Query (sent
+                // inside an extended-protocol batch, where pgfence cannot wait for the
+                // state: see `Session::inside_batch`). A `SAVEPOINT` or `RELEASE` leaves the
+                // session as clean as it was.
+                self.dirty |= in_block.is_none() && only.kind != StatementKind::Savepoint;
                 return plan;
             }
         }
