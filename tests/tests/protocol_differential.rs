@@ -229,6 +229,19 @@ fn main_steps(abs_oid: u32) -> Vec<Step> {
             Ready(4),
         ),
         step(
+            // The first Query ends the transaction the batch's Execute ran in: PostgreSQL
+            // runs the `VACUUM` alone, in a new one (pgfence's check before it, an Execute
+            // in that transaction, made it fail "within a pipeline").
+            "VACUUM alone inside a batch, behind a Query behind an Execute",
+            cat(&[
+                pbe("INSERT INTO d VALUES (20, 't')", &[]),
+                q("SELECT 1"),
+                q("VACUUM d"),
+                wire::sync(),
+            ]),
+            Ready(3),
+        ),
+        step(
             "failed transaction, pipelined simple queries",
             cat(&[
                 q("BEGIN; INSERT INTO d VALUES (5, 'e')"),

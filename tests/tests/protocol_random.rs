@@ -1469,8 +1469,11 @@ fn random_sessions_with_queries_inside_batches_same_replies() {
 /// that wrote, whose check's portal then outlived the check (the next check failed with
 /// 42P03 in the block); 231 and 407, a lone `ROLLBACK TO SAVEPOINT` inside a batch while
 /// pgfence could not tell whether a block was open, which got a check added (and failed in
-/// an implicit block, with another error location).
-const INSIDE_REGRESSION_SEEDS: &[u64] = &[165, 231, 407];
+/// an implicit block, with another error location); 1116 and 1300, a lone `VACUUM` behind a
+/// Query behind an Execute of its batch, which PostgreSQL runs in a new transaction (the
+/// Query ended the Execute's), and pgfence checked first in the same one (an Execute there
+/// made it fail "within a pipeline").
+const INSIDE_REGRESSION_SEEDS: &[u64] = &[165, 231, 407, 1116, 1300];
 
 /// Runs `plan`'s sessions straight to PostgreSQL and through pgfence with the fence on and
 /// off, and fails on the first difference in their replies (or every one, with

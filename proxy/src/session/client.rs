@@ -224,6 +224,12 @@ impl Session {
     fn sent(&mut self, request: Request) {
         if request.is_sync_point() {
             self.tx.batch_begun = false;
+            if matches!(request, Request::Query | Request::FunctionCall) {
+                // It ends the transaction its batch's Executes ran in (or makes it a block
+                // with its `BEGIN`): what follows in the batch starts a new one, as after a
+                // Sync (PostgreSQL runs a `VACUUM` alone there).
+                self.tx.batch_has_execute = false;
+            }
             self.sync_sent.push_back(std::time::Instant::now());
         }
     }
