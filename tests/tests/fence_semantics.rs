@@ -1960,7 +1960,7 @@ async fn a_write_before_begin_in_its_batch_is_checked_at_commit() {
 /// write; so did a lone `SET LOCAL` (a statement that alone writes nothing, so pgfence added
 /// no check to it). A lone `VACUUM` there failed with another 25001 than PostgreSQL's
 /// ("cannot run inside a transaction block": pgfence's check made the Query an implicit
-/// block).
+/// block). A failed check there, behind which a Query held a `COMMIT`, hung the session.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_query_or_function_call_inside_a_batch_is_checked_with_what_the_batch_wrote() {
     for fast_path in [false, true] {
@@ -1982,6 +1982,19 @@ async fn a_query_or_function_call_inside_a_batch_is_checked_with_what_the_batch_
             ("SAVEPOINT", wire::query("SAVEPOINT s")),
             ("VACUUM", wire::query("VACUUM inside")),
             ("a read", wire::query("SELECT 1")),
+            // The check before the first Query fails, and the server skips both: pgfence
+            // must not take that failure for the check before the second one's COMMIT, and
+            // wait for that Query (hung, waiting, on the client's Sync it did not read).
+            (
+                "two Queries, the second with a COMMIT",
+                [
+                    wire::query("SELECT 1"),
+                    wire::query(
+                        "INSERT INTO inside VALUES ('stale in the second Query'); COMMIT; SELECT 3",
+                    ),
+                ]
+                .concat(),
+            ),
         ];
         for (what, message) in inside {
             let context = format!("{what} inside a batch that wrote, fast path {fast_path}");

@@ -247,8 +247,10 @@ impl Session {
         if !request.is_sync_point() {
             let failed = self.replies.pop();
             let mut skipped = self.replies.skip_to_sync();
+            // Only a check in the last batch is the pending COMMIT's: one placed earlier (before
+            // a Query inside a batch) fails the Queries after it, that COMMIT's too.
             let commit_after_check =
-                from_check && matches!(self.commit_check, CommitCheck::Pending { .. });
+                before_commit && matches!(self.commit_check, CommitCheck::Pending { .. });
             if !commit_after_check
                 && self
                     .replies
