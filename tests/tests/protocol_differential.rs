@@ -241,6 +241,22 @@ fn main_steps(abs_oid: u32) -> Vec<Step> {
             ]),
             Ready(3),
         ),
+        step("a block that fails", q("BEGIN; SELECT 1/0"), Ready(1)),
+        step(
+            // The first Query's `BEGIN` leaves pgfence unsure whether a block is open: a
+            // check before the second Query failed in the failed block (25P02, hidden) and
+            // made the server skip that Query, which PostgreSQL answers with its own 25P02.
+            "Queries inside a batch in that failed block, the first with BEGIN, behind Closes",
+            cat(&[
+                wire::close(b'P', "x"),
+                q("INSERT INTO d VALUES (21, 'u'); BEGIN"),
+                wire::close(b'P', "x"),
+                q("SELECT 1; INSERT INTO d VALUES (22, 'v')"),
+                wire::sync(),
+                q("ROLLBACK"),
+            ]),
+            Ready(4),
+        ),
         step(
             "failed transaction, pipelined simple queries",
             cat(&[

@@ -846,7 +846,22 @@ impl Gen {
             out.push(Out::FunctionCall(k));
             return;
         }
-        out.push(Out::Query(self.simple_sql()));
+        let mut sql = self.simple_sql();
+        let since_sync_point = out
+            .iter()
+            .rev()
+            .take_while(|m| !matches!(m, Out::Sync | Out::Query(_) | Out::FunctionCall(_)));
+        let mut since_sync_point = since_sync_point.peekable();
+        if sql == "VACUUM r"
+            && since_sync_point.peek().is_some()
+            && !since_sync_point.any(|m| matches!(m, Out::Execute { .. }))
+        {
+            // README's known limitation: behind a Parse, Bind, Describe or Close still in
+            // flight (and no Execute), pgfence's check makes it fail "within a pipeline".
+            // Not drawn from the generator: the random stream stays as it was.
+            sql = "SELECT 1 AS one".to_string();
+        }
+        out.push(Out::Query(sql));
     }
 
     /// One unit of an extended-protocol batch. `syncs`: whether a Sync may appear.
@@ -1472,8 +1487,10 @@ fn random_sessions_with_queries_inside_batches_same_replies() {
 /// an implicit block, with another error location); 1116 and 1300, a lone `VACUUM` behind a
 /// Query behind an Execute of its batch, which PostgreSQL runs in a new transaction (the
 /// Query ended the Execute's), and pgfence checked first in the same one (an Execute there
-/// made it fail "within a pipeline").
-const INSIDE_REGRESSION_SEEDS: &[u64] = &[165, 231, 407, 1116, 1300];
+/// made it fail "within a pipeline"); 1120, a Query inside a batch, behind a Query with
+/// `BEGIN` in a failed block, which pgfence checked first (the check failed there, and the
+/// server skipped the Query, which PostgreSQL answers).
+const INSIDE_REGRESSION_SEEDS: &[u64] = &[165, 231, 407, 1116, 1120, 1300];
 
 /// Runs `plan`'s sessions straight to PostgreSQL and through pgfence with the fence on and
 /// off, and fails on the first difference in their replies (or every one, with

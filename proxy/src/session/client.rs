@@ -368,6 +368,16 @@ impl Session {
             || (!self.replies.is_empty() && !self.replies.ends_at_sync_point())
     }
 
+    /// Inside a batch, behind transaction control whose ReadyForQuery is still owed: a check
+    /// placed now would fail in a failed block (25P02) and make the server skip the message
+    /// it precedes, which PostgreSQL would answer. Whether a block is open, or failed, is
+    /// known at that ReadyForQuery; wait for it when what the batch sent after it changes no
+    /// state (the server answers it at once). Behind a statement of the batch no check runs
+    /// in a failed block: that statement fails first, and the message is skipped anyway.
+    fn waits_for_state_inside_batch(&self) -> bool {
+        self.tx.view == View::Unknown && self.replies.ready_tells_state()
+    }
+
     /// Whether the batch's transaction may commit at a Query or FunctionCall inside it: no
     /// block is known to be open or failed, and no `BEGIN` of this batch opened one.
     fn batch_commits_inside(&self) -> bool {
@@ -465,6 +475,9 @@ impl Session {
             }
         }
         if self.tx.sync_needs_check() && self.batch_commits_inside() {
+            if self.waits_for_state_inside_batch() {
+                return Ok(self.hold_until_answered());
+            }
             // The Query ends the batch's implicit transaction: what the batch wrote is checked
             // before it, as at a Sync, and the Query's own statements as if it came alone (a
             // check added to its text would make a lone `SAVEPOINT`, `LOCK` or `SET LOCAL`
@@ -624,6 +637,9 @@ impl Session {
                 }
                 None if self.precheck_possible() && self.replies.is_empty() => {
                     self.inject_check_with_sync(true, AfterCheck::Release);
+                    return self.hold_until_answered();
+                }
+                None if self.batch_commits_inside() && self.waits_for_state_inside_batch() => {
                     return self.hold_until_answered();
                 }
                 None if self.batch_commits_inside() => {
