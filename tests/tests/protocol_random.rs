@@ -1901,6 +1901,16 @@ fn never_commit(plan: Run, inside_batches: bool) {
                 }
                 report.push_str(&show(replies));
             }
+            if trouble.is_some() {
+                // A closed connection may be a backend that crashed.
+                let log = cluster.server_log();
+                let tail: Vec<&str> = log.lines().rev().take(20).collect();
+                let tail: Vec<&str> = tail.into_iter().rev().collect();
+                report.push_str(&format!(
+                    "the server's log ends with:\n{}\n",
+                    tail.join("\n")
+                ));
+            }
             eprintln!("{report}");
             failures.push(report);
             if !plan.keep_going {
