@@ -62,6 +62,13 @@
 //! unchecked within 12 seeds. Both fixed (`fence_semantics::
 //! a_query_or_function_call_inside_a_batch_is_checked_with_what_the_batch_wrote`).
 //!
+//! A backend crash (signal 11, "Failed process was running: FETCH ...") is PostgreSQL
+//! 15.18's own: a Describe of a statement prepared as `FETCH 2 FROM c` while cursor `c` was
+//! open, sent after the cursor is gone, crashes it, straight to the server too (`BEGIN;
+//! DECLARE c CURSOR FOR ...`, Parse `FETCH 2 FROM c`, `ROLLBACK`, Describe S; seed 1325,
+//! session 4 of the stale run with Queries inside batches, found 2026-12-03). The stale run
+//! prints the server's log when a side closes the connection.
+//!
 //! A second test, [`random_stale_sessions_never_commit_a_write`], checks the fence rather
 //! than transparency: the same kind of sessions, every token stale (both resources fenced
 //! above it, and a default resource so that a write without a token is rejected too),
