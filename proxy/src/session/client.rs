@@ -639,10 +639,10 @@ impl Session {
                     self.inject_check_with_sync(true, AfterCheck::Release);
                     return self.hold_until_answered();
                 }
-                None if self.batch_commits_inside() && self.waits_for_state_inside_batch() => {
-                    return self.hold_until_answered();
-                }
                 None if self.batch_commits_inside() => {
+                    if self.waits_for_state_inside_batch() {
+                        return self.hold_until_answered();
+                    }
                     self.inject_check_inside_batch(true);
                     self.tx.end();
                 }
