@@ -61,6 +61,9 @@
 //! also draws FunctionCalls there), found a FunctionCall committing the batch's stale write
 //! unchecked within 12 seeds. Both fixed (`fence_semantics::
 //! a_query_or_function_call_inside_a_batch_is_checked_with_what_the_batch_wrote`).
+//! [`random_sessions_with_function_calls_same_replies`] adds FunctionCall messages of a
+//! function that writes (`w(k)`, [`W_SCHEMA`]) to those sessions, alone and inside batches,
+//! and requires PostgreSQL to have answered some of them.
 //!
 //! A backend crash (signal 11, "Failed process was running: FETCH ...") is PostgreSQL
 //! 15.18's own: a Describe of a statement prepared as `FETCH 2 FROM c` while cursor `c` was
@@ -214,6 +217,12 @@ thread_local! {
     static W_OID: std::cell::Cell<Option<u32>> = const { std::cell::Cell::new(None) };
 }
 
+thread_local! {
+    /// FunctionCallResponses PostgreSQL sent directly in this thread's run (a FunctionCall
+    /// is not counted in `pg_stat_user_functions`).
+    static CALLS_ANSWERED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
 /// How many CloseCompletes mark the end of a step's replies ([`Out::EndOfStep`]).
 const END_OF_STEP_CLOSES: usize = 5;
 
@@ -363,6 +372,8 @@ struct Gen {
     /// batches, between their Parse/Bind/Execute and their Sync: see
     /// [`Gen::inside_batch`].
     inside_batches: bool,
+    /// Draws FunctionCalls of `w(k)` outside stale runs too (the clusters have [`W_SCHEMA`]).
+    function_calls: bool,
     /// The batch being drawn holds a message sent inside it: the step ends with
     /// [`Out::EndOfStep`].
     uncounted: bool,
@@ -760,7 +771,7 @@ impl Gen {
     }
 
     fn simple_step(&mut self) -> Vec<Out> {
-        if self.stale && self.chance(0.04) {
+        if self.calls_w() && self.chance(0.04) {
             let k = self.key();
             return vec![Out::FunctionCall(k)];
         }
@@ -841,6 +852,12 @@ impl Gen {
         }
     }
 
+    /// Whether FunctionCalls of `w(k)` are drawn (short-circuited first: the random streams
+    /// of runs without them stay as they were).
+    fn calls_w(&self) -> bool {
+        self.stale || self.function_calls
+    }
+
     /// A Query (or, in stale runs, a FunctionCall) inside an extended-protocol batch. The
     /// server runs it in the batch's implicit transaction and commits that at its end, so
     /// what the batch wrote before it is committed there (or, behind a `BEGIN` it holds,
@@ -848,7 +865,7 @@ impl Gen {
     /// without a reply, up to the Sync.
     fn inside_batch(&mut self, out: &mut Vec<Out>) {
         self.uncounted = true;
-        if self.stale && self.chance(0.15) {
+        if self.calls_w() && self.chance(0.15) {
             let k = self.key();
             out.push(Out::FunctionCall(k));
             return;
@@ -1009,12 +1026,14 @@ impl Gen {
 }
 
 /// What a run's sessions draw besides the common pool.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 struct Draw {
     /// [`Gen::stale_extra`] and FunctionCalls (the stale run's schema).
     stale: bool,
     /// Queries (and FunctionCalls) inside batches ([`Gen::inside_batch`]).
     inside_batches: bool,
+    /// FunctionCalls of `w(k)` without the rest of the stale run's draws.
+    function_calls: bool,
 }
 
 fn generate(seed: u64, session: usize, steps: usize, token: u64, draw: Draw) -> Session {
@@ -1038,6 +1057,7 @@ fn generate(seed: u64, session: usize, steps: usize, token: u64, draw: Draw) -> 
         copy_in_portals: BTreeSet::new(),
         stale: draw.stale,
         inside_batches: draw.inside_batches,
+        function_calls: draw.function_calls,
         uncounted: false,
     }
     .session(steps)
@@ -1334,6 +1354,8 @@ fn run_session(
             let _ = c.try_send(&bytes);
         }
         let want = read(&mut direct, expect);
+        CALLS_ANSWERED
+            .set(CALLS_ANSWERED.get() + want.msgs.iter().filter(|m| m.tag == b'V').count());
         if let Some(t) = &want.trouble {
             return Err(Failure::Direct(format!(
                 "seed {seed}, session {number}, step {i}: PostgreSQL did not answer as the \
@@ -1471,7 +1493,7 @@ fn fail_if_any(failures: &[String], what: &str) {
 fn random_sessions_same_replies_direct_and_through_pgfence() {
     same_replies(
         Run::from_env((1..=40).chain(REGRESSION_SEEDS.iter().copied())),
-        false,
+        Draw::default(),
     );
 }
 
@@ -1482,7 +1504,28 @@ fn random_sessions_same_replies_direct_and_through_pgfence() {
 fn random_sessions_with_queries_inside_batches_same_replies() {
     same_replies(
         Run::from_env((1..=40).chain(INSIDE_REGRESSION_SEEDS.iter().copied())),
-        true,
+        Draw {
+            inside_batches: true,
+            ..Draw::default()
+        },
+    );
+}
+
+/// The same, with FunctionCall messages too: of `w(k)` ([`W_SCHEMA`], a function that
+/// writes to `r` when row `k` exists), alone as a step and inside extended-protocol batches
+/// ([`Gen::inside_batch`]), where the server commits the batch's implicit transaction at
+/// the call's end. pgfence checks the token before such a call, with no Sync of its own in
+/// a batch; its check and the replies it hides must leave the client's replies as they
+/// are. Seeds 1 to 40 by default.
+#[test]
+fn random_sessions_with_function_calls_same_replies() {
+    same_replies(
+        Run::from_env(1..=40),
+        Draw {
+            inside_batches: true,
+            function_calls: true,
+            ..Draw::default()
+        },
     );
 }
 
@@ -1502,10 +1545,24 @@ const INSIDE_REGRESSION_SEEDS: &[u64] = &[165, 231, 407, 1116, 1120, 1300];
 /// Runs `plan`'s sessions straight to PostgreSQL and through pgfence with the fence on and
 /// off, and fails on the first difference in their replies (or every one, with
 /// `PGFENCE_RANDOM_KEEP_GOING=1`).
-fn same_replies(plan: Run, inside_batches: bool) {
+fn same_replies(plan: Run, draw: Draw) {
     let direct = start_cluster();
     let fenced = start_cluster();
     let plain = start_cluster();
+    if draw.function_calls {
+        let oids: Vec<String> = [&direct, &fenced, &plain]
+            .iter()
+            .map(|cluster| {
+                cluster.psql(APP_DB, W_SCHEMA);
+                cluster.psql(APP_DB, "SELECT 'w(int)'::regprocedure::oid")
+            })
+            .collect();
+        assert!(
+            oids.iter().all(|oid| *oid == oids[0]),
+            "w(int) has one oid on all three clusters: {oids:?}"
+        );
+        W_OID.set(Some(oids[0].trim().parse().expect("an oid")));
+    }
     let fenced_proxy = Proxy::for_cluster(&fenced);
     let mut config = Proxy::config_for(&plain);
     config.fence.enabled = false;
@@ -1525,20 +1582,17 @@ fn same_replies(plan: Run, inside_batches: bool) {
     eprintln!(
         "protocol_random: {}{}",
         plan.describe(),
-        if inside_batches {
-            ", Queries inside batches"
-        } else {
-            ""
+        match (draw.inside_batches, draw.function_calls) {
+            (true, true) => ", Queries and FunctionCalls inside batches",
+            (true, false) => ", Queries inside batches",
+            (false, true) => ", FunctionCalls",
+            (false, false) => "",
         }
     );
     for (seed, number) in plan.cases() {
         // Tokens only increase over the clusters' life: the fence never rejects.
         let token = 1000 + run;
         run += 1;
-        let draw = Draw {
-            stale: false,
-            inside_batches,
-        };
         let session = generate(seed, number, plan.steps, token, draw);
         steps_run += session.steps.len();
         let result = run_session(&targets, seed, number, &session, &plan.drop);
@@ -1565,36 +1619,53 @@ fn same_replies(plan: Run, inside_batches: bool) {
         failures.len()
     );
     fail_if_any(&failures, "session(s) with different replies");
-    // The fence was really on: pgfence's check ran upstream (and pgfence hid it). An idle
-    // backend flushes its function counts within 10 s (PostgreSQL's PGSTAT_IDLE_INTERVAL),
-    // and a short run's calls may all come in its first second.
+    // The fence was really on: pgfence's check ran upstream (and pgfence hid it).
+    let calls = wait_for_calls(&fenced, "schemaname = 'pgfence'");
+    eprintln!("pgfence.check ran {calls} times through the fenced proxy");
+    if draw.function_calls {
+        let calls = CALLS_ANSWERED.get();
+        eprintln!("PostgreSQL answered {calls} FunctionCalls of w() directly");
+        assert!(calls > 0, "no FunctionCall of w() ran: were they drawn?");
+    }
+}
+
+/// The calls of the functions `filter` picks on `cluster` (SQL calls: not FunctionCall
+/// messages), once there is at least one. An
+/// idle backend flushes its function counts within 10 s (PostgreSQL's PGSTAT_IDLE_INTERVAL),
+/// and a short run's calls may all come in its first second.
+fn wait_for_calls(cluster: &PgCluster, filter: &str) -> u64 {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let calls: u64 = fenced
+        let calls: u64 = cluster
             .psql(
                 APP_DB,
-                "SELECT coalesce(sum(calls), 0) FROM pg_stat_user_functions \
-                 WHERE schemaname = 'pgfence'",
+                &format!(
+                    "SELECT coalesce(sum(calls), 0) FROM pg_stat_user_functions WHERE {filter}"
+                ),
             )
             .trim()
             .parse()
             .expect("a count");
         if calls >= 1 {
-            eprintln!("pgfence.check ran {calls} times through the fenced proxy");
-            break;
+            return calls;
         }
         assert!(
             Instant::now() < deadline,
-            "pgfence.check ran {calls} times: was the fence on?"
+            "no call of the functions where {filter}: were they run?"
         );
         std::thread::sleep(Duration::from_millis(100));
     }
 }
 
-/// Objects the stale run's extra statements write through (to `r`, which the oracle reads).
-const STALE_SCHEMA: &str = "
+/// Function `w(k)`, called by FunctionCall messages ([`Out::FunctionCall`]): writes to
+/// row `k` of `r` if it exists.
+const W_SCHEMA: &str = "
 CREATE FUNCTION w(k int) RETURNS int LANGUAGE plpgsql
     AS $$ BEGIN UPDATE r SET v = v + 1000 WHERE id = k; RETURN k; END $$;
+";
+
+/// Objects the stale run's extra statements write through (to `r`, which the oracle reads).
+const STALE_SCHEMA: &str = "
 CREATE PROCEDURE p(k int) LANGUAGE sql AS $$ UPDATE r SET v = v + 2000 WHERE id = k $$;
 CREATE TABLE s (k int);
 CREATE FUNCTION s_to_r() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
@@ -1764,6 +1835,7 @@ const STALE_INSIDE_REGRESSION_SEEDS: &[u64] = &[1291];
 /// Runs `plan`'s stale sessions (see [`random_stale_sessions_never_commit_a_write`]).
 fn never_commit(plan: Run, inside_batches: bool) {
     let cluster = start_cluster();
+    cluster.psql(APP_DB, W_SCHEMA);
     cluster.psql(APP_DB, STALE_SCHEMA);
     let w_oid = cluster.psql(APP_DB, "SELECT 'w(int)'::regprocedure::oid");
     W_OID.set(Some(w_oid.trim().parse().expect("an oid")));
@@ -1851,6 +1923,7 @@ fn never_commit(plan: Run, inside_batches: bool) {
         let draw = Draw {
             stale: true,
             inside_batches,
+            function_calls: false,
         };
         let session = generate(seed, number, plan.steps, token, draw);
         for side in &sides {
