@@ -1975,16 +1975,29 @@ async fn a_query_or_function_call_inside_a_batch_is_checked_with_what_the_batch_
             .unwrap()
             .get(0);
         let mut stale = fx.raw_session(&options);
+        // Each message is answered as a Query or FunctionCall that fails is: the check's
+        // error and a ReadyForQuery (the server skipped the message behind the failed check,
+        // and pgfence ends that skipping with a Sync of its own: a client waiting for the
+        // message's ReadyForQuery hung). What follows it in the batch runs.
         let inside = [
-            ("a FunctionCall", wire::function_call(abs, &[Some(b"-5")])),
-            ("SET LOCAL", wire::query("SET LOCAL application_name = 'x'")),
-            ("DISCARD ALL", wire::query("DISCARD ALL")),
-            ("SAVEPOINT", wire::query("SAVEPOINT s")),
-            ("VACUUM", wire::query("VACUUM inside")),
-            ("a read", wire::query("SELECT 1")),
-            // The check before the first Query fails, and the server skips both: pgfence
-            // must not take that failure for the check before the second one's COMMIT, and
-            // wait for that Query (hung, waiting, on the client's Sync it did not read).
+            (
+                "a FunctionCall",
+                wire::function_call(abs, &[Some(b"-5")]),
+                1,
+            ),
+            (
+                "SET LOCAL",
+                wire::query("SET LOCAL application_name = 'x'"),
+                1,
+            ),
+            ("DISCARD ALL", wire::query("DISCARD ALL"), 1),
+            ("SAVEPOINT", wire::query("SAVEPOINT s"), 1),
+            ("VACUUM", wire::query("VACUUM inside"), 1),
+            ("a read", wire::query("SELECT 1"), 1),
+            // The check before the first Query fails: pgfence must not take that failure for
+            // the check before the second one's COMMIT, and wait for that Query (hung,
+            // waiting, on the client's Sync it did not read). The second Query runs, and its
+            // own write is rejected at its COMMIT.
             (
                 "two Queries, the second with a COMMIT",
                 [
@@ -1994,9 +2007,10 @@ async fn a_query_or_function_call_inside_a_batch_is_checked_with_what_the_batch_
                     ),
                 ]
                 .concat(),
+                2,
             ),
         ];
-        for (what, message) in inside {
+        for (what, message, messages) in inside {
             let context = format!("{what} inside a batch that wrote, fast path {fast_path}");
             stale.send(
                 &[
@@ -2005,17 +2019,42 @@ async fn a_query_or_function_call_inside_a_batch_is_checked_with_what_the_batch_
                     )),
                     message,
                     wire::sync(),
+                    wire::query("SELECT 'after'"),
                 ]
                 .concat(),
             );
-            // The check fails before the message, and the server skips the rest of the
-            // batch: one ReadyForQuery, the Sync's.
-            expect_raw_rejection(&mut stale, &context);
-            stale.send(&wire::query("SELECT 1"));
-            let replies = stale.until_ready();
+            let first = stale.until_ready();
+            let ran = first
+                .iter()
+                .any(|m| m.command_tag().is_some_and(|t| t.starts_with("INSERT")));
+            if !ran {
+                // The fast path rejected the INSERT's Execute (it knows the session's token):
+                // the server skips the rest of the batch, as after any failed Execute. One
+                // ReadyForQuery, the Sync's.
+                assert!(fast_path, "{context}: the INSERT never ran: {first:?}");
+                let error = first.iter().find(|m| m.tag == b'E');
+                let error = error.unwrap_or_else(|| panic!("{context}: no error in {first:?}"));
+                wire::assert_error(error, "ERROR", "FN001");
+            } else {
+                let mut replies = first;
+                for n in 0..messages {
+                    if n > 0 {
+                        replies = stale.until_ready();
+                    }
+                    let tags: String = replies.iter().map(|m| m.tag as char).collect();
+                    assert!(tags.ends_with("EZ"), "{context}, message {n}: {replies:?}");
+                    wire::assert_error(&replies[replies.len() - 2], "ERROR", "FN001");
+                }
+                let sync = stale.until_ready();
+                assert_eq!(sync.len(), 1, "{context}: the batch's Sync: {sync:?}");
+            }
+            let after = stale.until_ready();
             assert!(
-                replies.iter().all(|m| m.tag != b'E'),
-                "{context}: the session is not usable after: {replies:?}"
+                after.iter().all(|m| m.tag != b'E')
+                    && after
+                        .iter()
+                        .any(|m| m.command_tag().as_deref() == Some("SELECT 1")),
+                "{context}: the session is not usable after: {after:?}"
             );
         }
         assert_eq!(fx.count("inside WHERE tag LIKE 'stale%'").await, 0);
@@ -2044,6 +2083,47 @@ async fn a_query_or_function_call_inside_a_batch_is_checked_with_what_the_batch_
             0
         );
     }
+}
+
+/// A lone `VACUUM` inside a batch, behind only a Parse, Bind, Describe or Close of it, runs
+/// on PostgreSQL in a transaction of its own (it ends the one they started). pgfence sends a
+/// Flush, reads their replies, and checks the token first on its own, as before a `VACUUM`
+/// sent alone: a stale one is rejected and the batch goes on, the leader's runs. Its check as
+/// an Execute in their transaction made PostgreSQL refuse it "within a pipeline"; when one
+/// of them fails, the server skips the `VACUUM`, and pgfence adds nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vacuum_inside_a_batch_behind_only_a_parse_is_checked_first_on_its_own() {
+    let (fx, options) = Fixture::after_leader_34("vacuum_inside", |_| {}).await;
+    let batch = |first: &str| {
+        [
+            wire::parse("", first, &[]),
+            wire::bind("", "", &[]),
+            wire::query("VACUUM vacuum_inside"),
+            wire::sync(),
+        ]
+        .concat()
+    };
+    let tags = |replies: &[Msg]| replies.iter().map(|m| m.tag as char).collect::<String>();
+    let mut stale = fx.raw_session(&options);
+    stale.send(&batch("SELECT 1"));
+    let vacuum = stale.until_ready();
+    assert_eq!(tags(&vacuum), "12EZ", "{vacuum:?}");
+    wire::assert_error(&vacuum[2], "ERROR", "FN001");
+    assert_eq!(tags(&stale.until_ready()), "Z", "the batch's Sync");
+    stale.send(&batch("SELEC 1"));
+    let skipped = stale.until_ready();
+    assert_eq!(tags(&skipped), "EZ", "{skipped:?}");
+    wire::assert_error(&skipped[0], "ERROR", "42601");
+    let mut leader = fx.raw_session("-c fencing.token=34 -c fencing.resource=vacuum_inside");
+    leader.send(&batch("SELECT 1"));
+    let vacuum = leader.until_ready();
+    assert_eq!(tags(&vacuum), "12CZ", "{vacuum:?}");
+    assert_eq!(
+        vacuum[2].command_tag().as_deref(),
+        Some("VACUUM"),
+        "{vacuum:?}"
+    );
+    assert_eq!(tags(&leader.until_ready()), "Z", "the batch's Sync");
 }
 
 /// `COMMIT PREPARED` and `ROLLBACK PREPARED` finish a transaction checked at its `PREPARE

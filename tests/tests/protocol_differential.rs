@@ -241,6 +241,51 @@ fn main_steps(abs_oid: u32) -> Vec<Step> {
             ]),
             Ready(3),
         ),
+        step(
+            // Behind only a Parse, Bind, Describe or Close, PostgreSQL runs the `VACUUM` alone
+            // too (it ends the transaction they started): pgfence flushes, reads their
+            // replies and checks it first on its own (its check as an Execute in that
+            // transaction made it fail "within a pipeline"). The portal bound before it is
+            // gone after it, on both.
+            "VACUUM alone inside a batch, behind only its Parse, Bind, Describe and Close",
+            cat(&[
+                wire::parse("", "SELECT 1", &[]),
+                wire::bind("vp", "", &[]),
+                wire::describe(b'P', "vp"),
+                wire::close(b'S', "nothing"),
+                q("VACUUM d"),
+                wire::execute("vp", 0),
+                wire::sync(),
+                q("SELECT count(*) FROM d"),
+            ]),
+            Ready(3),
+        ),
+        step(
+            // The same behind a Query of the batch that wrote (ending its transaction) and a
+            // Parse after it.
+            "VACUUM alone inside a batch, behind a Query that wrote and a Parse",
+            cat(&[
+                wire::parse("", "SELECT 2", &[]),
+                q("INSERT INTO d VALUES (23, 'w')"),
+                wire::parse("", "SELECT 3", &[]),
+                q("VACUUM d"),
+                wire::sync(),
+            ]),
+            Ready(3),
+        ),
+        step(
+            // A Parse before it fails: the server skips the `VACUUM` and the rest up to the
+            // Sync; through pgfence too, and no check of pgfence's runs in between.
+            "VACUUM inside a batch behind a Parse that fails",
+            cat(&[
+                wire::parse("", "SELEC 1", &[]),
+                q("VACUUM d"),
+                pbe("INSERT INTO d VALUES (24, 'x')", &[]),
+                wire::sync(),
+                q("SELECT count(*) FROM d"),
+            ]),
+            Ready(2),
+        ),
         step("a block that fails", q("BEGIN; SELECT 1/0"), Ready(1)),
         step(
             // The first Query's `BEGIN` leaves pgfence unsure whether a block is open: a

@@ -871,18 +871,18 @@ impl Gen {
             return;
         }
         let mut sql = self.simple_sql();
-        let since_sync_point = out
-            .iter()
-            .rev()
-            .take_while(|m| !matches!(m, Out::Sync | Out::Query(_) | Out::FunctionCall(_)));
-        let mut since_sync_point = since_sync_point.peekable();
         if sql == "VACUUM r"
-            && since_sync_point.peek().is_some()
-            && !since_sync_point.any(|m| matches!(m, Out::Execute { .. }))
+            && out
+                .iter()
+                .rev()
+                .take_while(|m| !matches!(m, Out::Sync | Out::Query(_) | Out::FunctionCall(_)))
+                .any(|m| matches!(m, Out::Execute { .. }))
         {
-            // README's known limitation: behind a Parse, Bind, Describe or Close still in
-            // flight (and no Execute), pgfence's check makes it fail "within a pipeline".
-            // Not drawn from the generator: the random stream stays as it was.
+            // README's known limitation: behind an Execute of its transaction, PostgreSQL
+            // refuses it "within a pipeline" unless that Execute ran an empty statement,
+            // transaction control or only part of a portal's rows; pgfence's check, an
+            // Execute, makes it fail there too. Not drawn from the generator: the random
+            // stream stays as it was.
             sql = "SELECT 1 AS one".to_string();
         }
         out.push(Out::Query(sql));
@@ -1511,6 +1511,16 @@ fn random_sessions_with_queries_inside_batches_same_replies() {
     );
 }
 
+/// Seeds beyond the default range of [`random_sessions_with_function_calls_same_replies`]
+/// that found a difference, run by default too: 102, a Query inside the batch of an
+/// extended-protocol `COMMIT` pgfence had checked, which opened a block that failed; a check
+/// before the batch's Sync then met that failed block (25P02), and pgfence took it for the
+/// `COMMIT`'s and ended the client's block with a `ROLLBACK` of its own; 1647, a
+/// FunctionCall alone (a transaction of its own, checked first) that left the session
+/// marked as written: the check before the Sync of the next batch, which opened a block,
+/// took a snapshot there, and a `SET TRANSACTION ISOLATION LEVEL` after it failed.
+const FUNCTION_CALL_REGRESSION_SEEDS: &[u64] = &[102, 1647];
+
 /// The same, with FunctionCall messages too: of `w(k)` ([`W_SCHEMA`], a function that
 /// writes to `r` when row `k` exists), alone as a step and inside extended-protocol batches
 /// ([`Gen::inside_batch`]), where the server commits the batch's implicit transaction at
@@ -1520,7 +1530,7 @@ fn random_sessions_with_queries_inside_batches_same_replies() {
 #[test]
 fn random_sessions_with_function_calls_same_replies() {
     same_replies(
-        Run::from_env(1..=40),
+        Run::from_env((1..=40).chain(FUNCTION_CALL_REGRESSION_SEEDS.iter().copied())),
         Draw {
             inside_batches: true,
             function_calls: true,
@@ -1540,7 +1550,10 @@ fn random_sessions_with_function_calls_same_replies() {
 /// made it fail "within a pipeline"); 1120, a Query inside a batch, behind a Query with
 /// `BEGIN` in a failed block, which pgfence checked first (the check failed there, and the
 /// server skipped the Query, which PostgreSQL answers).
-const INSIDE_REGRESSION_SEEDS: &[u64] = &[165, 231, 407, 1116, 1120, 1300];
+/// 5723, a Query starting with `BEGIN ISOLATION LEVEL SERIALIZABLE` inside a batch that
+/// had run a `NOTIFY`, which pgfence checked first (its check took a snapshot, and the
+/// `BEGIN` failed with 25001; such a Query does not end the transaction).
+const INSIDE_REGRESSION_SEEDS: &[u64] = &[165, 231, 407, 1116, 1120, 1300, 5723];
 
 /// Runs `plan`'s sessions straight to PostgreSQL and through pgfence with the fence on and
 /// off, and fails on the first difference in their replies (or every one, with
@@ -1625,7 +1638,11 @@ fn same_replies(plan: Run, draw: Draw) {
     if draw.function_calls {
         let calls = CALLS_ANSWERED.get();
         eprintln!("PostgreSQL answered {calls} FunctionCalls of w() directly");
-        assert!(calls > 0, "no FunctionCall of w() ran: were they drawn?");
+        // A handful of sessions (one reproduced alone) may well have none.
+        assert!(
+            calls > 0 || run < 20,
+            "no FunctionCall of w() ran in {run} sessions: were they drawn?"
+        );
     }
 }
 

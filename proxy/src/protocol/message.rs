@@ -323,6 +323,11 @@ pub fn sync(out: &mut BytesMut) {
     write_message(out, b'S', |_| {});
 }
 
+/// Appends a Flush.
+pub fn flush(out: &mut BytesMut) {
+    write_message(out, b'H', |_| {});
+}
+
 /// Appends a Parse of a named statement with no parameter types given.
 pub fn parse(out: &mut BytesMut, name: &[u8], sql: &[u8]) {
     write_message(out, b'P', |o| {

@@ -11,7 +11,7 @@ use crate::protocol::message::{self as msg, Frontend};
 
 use super::replies::{AfterCheck, QueryPlan, Request};
 use super::tx::View;
-use super::{CommitCheck, CopyIn, Flow, Hold, Prepared, Remembered, Session};
+use super::{CommitCheck, CopyIn, Flow, Flushed, Hold, Prepared, Remembered, Session};
 
 /// Whether `sql` is `COPY ... FROM STDIN`: `COPY` first, then `FROM STDIN` outside
 /// parentheses (so not the `FROM` of `COPY (SELECT ... FROM t) TO STDOUT`).
@@ -378,6 +378,18 @@ impl Session {
         self.tx.view == View::Unknown && self.replies.ready_tells_state()
     }
 
+    /// Checks the batch's transaction before the Query or FunctionCall being handled, which
+    /// commits it, and holds that message until the check is answered (see
+    /// [`Flushed::Check`]): behind a failed check the server would skip it without a reply,
+    /// where PostgreSQL answers it.
+    fn check_inside_batch_first(&mut self, force: bool) -> Flow {
+        self.inject_check_inside_batch(force);
+        self.tx.end();
+        msg::flush(&mut self.to_server);
+        self.flushed = Flushed::Check;
+        self.hold_until_answered()
+    }
+
     /// Whether the batch's transaction may commit at a Query or FunctionCall inside it: no
     /// block is known to be open or failed, and no `BEGIN` of this batch opened one.
     fn batch_commits_inside(&self) -> bool {
@@ -440,15 +452,28 @@ impl Session {
                     self.inject_check_with_sync(true, AfterCheck::Release);
                     return Ok(self.hold_until_answered());
                 }
+                None if self.tx.view == View::Idle
+                    && self.batch_commits_inside()
+                    && !self.tx.batch_has_execute =>
+                {
+                    // Inside a batch, behind only its Parse, Bind, Describe or Close: the
+                    // server runs the statement as it would outside one (it ends the
+                    // transaction they started), but an Execute of pgfence's check there
+                    // would make it fail "within a pipeline". A Flush brings their replies:
+                    // once they are in, the statement is checked first on its own (the
+                    // transaction it ends has run nothing), or, if one of them failed, goes
+                    // on to the server, which skips it.
+                    msg::flush(&mut self.to_server);
+                    self.flushed = Flushed::ForPrecheck;
+                    return Ok(self.hold_until_answered());
+                }
                 None if self.tx.view == View::Idle && self.batch_commits_inside() => {
-                    // Inside a batch: the statement commits what the batch wrote, and runs
-                    // alone (no implicit block) as it would outside one. Checked first, in
-                    // that transaction, with no Sync (which would end the client's batch).
+                    // Inside a batch, behind an Execute of its transaction: the statement
+                    // commits what the batch wrote (PostgreSQL refuses one that cannot run in
+                    // a block "within a pipeline" there anyway). Checked first, in that
+                    // transaction, with no Sync (which would end the client's batch).
                     self.tx.add_directives(&analysis.directives);
-                    self.inject_check_inside_batch(true);
-                    self.tx.end();
-                    self.forward(frame, Request::Query);
-                    return Ok(Flow::Continue);
+                    return Ok(self.check_inside_batch_first(true));
                 }
                 None if (self.precheck_possible() || self.tx.view == View::Unknown)
                     && self.replies.ends_at_sync_point() =>
@@ -464,17 +489,37 @@ impl Session {
                 None => {}
             }
         }
+        // Back after the check before it inside its batch (see `Flushed::Check`).
+        let checked_first = match self.take_hold() {
+            Some(Ok(())) => true,
+            Some(Err(status)) => {
+                msg::ready_for_query(&mut self.to_client, status);
+                return Ok(Flow::Continue);
+            }
+            None => false,
+        };
         if self.waits_for_replies(analysis) {
             return Ok(self.hold_until_answered());
         }
-        if self.fence.fast_path && analysis.may_write() {
+        if self.fence.fast_path && analysis.may_write() && !checked_first {
             if let Some((resource, token, fence)) =
                 self.fence.stale(&analysis.directives, &self.shared.fences)
             {
                 return Ok(self.fast_reject_query(analysis, resource, token, fence));
             }
         }
-        if self.tx.sync_needs_check() && self.batch_commits_inside() {
+        // A Query that starts with `BEGIN` makes a block of the batch's transaction: it does
+        // not end there, and its COMMIT is checked (a check before the `BEGIN` would take a
+        // snapshot first, and a `BEGIN ISOLATION LEVEL` then fail).
+        let opens_block = analysis
+            .statements
+            .first()
+            .is_some_and(|s| s.kind == StatementKind::Begin);
+        if !checked_first
+            && !opens_block
+            && self.tx.sync_needs_check()
+            && self.batch_commits_inside()
+        {
             if self.waits_for_state_inside_batch() {
                 return Ok(self.hold_until_answered());
             }
@@ -482,8 +527,7 @@ impl Session {
             // before it, as at a Sync, and the Query's own statements as if it came alone (a
             // check added to its text would make a lone `SAVEPOINT`, `LOCK` or `SET LOCAL`
             // run in an implicit block, and one it takes for block-sensitive would get none).
-            self.inject_check_inside_batch(false);
-            self.tx.end();
+            return Ok(self.check_inside_batch_first(false));
         }
         self.tx.add_directives(&analysis.directives);
         if matches!(
@@ -643,8 +687,7 @@ impl Session {
                     if self.waits_for_state_inside_batch() {
                         return self.hold_until_answered();
                     }
-                    self.inject_check_inside_batch(true);
-                    self.tx.end();
+                    return self.check_inside_batch_first(true);
                 }
                 None if self.replies.awaits_ready() && !self.tx.batch_has_execute => {
                     // Whether a block is open is known once the replies in flight are in.
@@ -653,7 +696,11 @@ impl Session {
                 None => {}
             }
         }
-        self.tx.dirty = true;
+        // Outside a block and a batch the call is a transaction of its own (checked first),
+        // ended with it; elsewhere it may have written to the transaction that goes on.
+        if self.tx.view != View::Idle || self.inside_batch() {
+            self.tx.dirty = true;
+        }
         self.forward(frame, Request::FunctionCall);
         Flow::Continue
     }

@@ -147,6 +147,24 @@ pub(crate) enum Hold {
     Failed(u8),
 }
 
+/// Why pgfence sent a Flush of its own inside a client's batch (its requests are answered
+/// only at a Sync or Flush) and holds the client's message being handled, a Query or
+/// FunctionCall, until everything in flight is answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Flushed {
+    No,
+    /// To learn whether the batch's Parse, Bind, Describe or Close in flight failed, before a
+    /// statement that cannot run in a transaction block, which is then checked first on its
+    /// own (or, behind a failure, goes to the server, which skips it).
+    ForPrecheck,
+    /// Behind pgfence's check before a Query or FunctionCall that commits the batch's
+    /// transaction: the message goes on once the check passed ([`Hold::Passed`]). If the
+    /// check fails, the server skips up to a Sync, which pgfence then sends itself: the
+    /// message is answered with that ReadyForQuery ([`Hold::Failed`]), as PostgreSQL answers
+    /// a Query that fails, and what the client sent after it runs.
+    Check,
+}
+
 /// A check that went out right before a client's COMMIT or PREPARE TRANSACTION inside its
 /// batch (extended protocol) or query string (simple protocol). If the check fails, the
 /// server skips the COMMIT with the rest of the batch and leaves the transaction block
@@ -536,6 +554,9 @@ pub(crate) struct Session {
     /// its batch: the server skips everything up to it (Terminate aside), so pgfence passes
     /// it on as it is, adding nothing and learning nothing from it.
     skipping_to_sync: bool,
+    /// pgfence sent a Flush and holds the client's message being handled until every
+    /// request in flight is answered (see [`Flushed`]).
+    flushed: Flushed,
     /// An injected check failed and its error was forwarded: the client's COMMIT that
     /// follows reports `ROLLBACK`, which the client must not see.
     check_failed: bool,
@@ -628,6 +649,7 @@ impl Session {
             copy_through: false,
             discard_until_sync: None,
             skipping_to_sync: false,
+            flushed: Flushed::No,
             check_failed: false,
             last_sql: None,
             last_write: None,
@@ -868,6 +890,18 @@ impl Session {
             at += len;
         }
         buf.advance(at);
+        if self.flushed != Flushed::No && self.replies.is_empty() {
+            if self.hold == Hold::Waiting {
+                // Answered, or skipped after an error of the client's earlier in the batch
+                // (the held message then goes on as it is, and the server skips it too).
+                self.hold = if self.flushed == Flushed::Check && !self.skipping_to_sync {
+                    Hold::Passed
+                } else {
+                    Hold::None
+                };
+            }
+            self.flushed = Flushed::No;
+        }
         Ok(())
     }
 

@@ -11,7 +11,7 @@ use crate::error::SessionError;
 use crate::protocol::message::{self as msg, Backend};
 
 use super::replies::{AfterCheck, Injected, Origin, Pending, Request};
-use super::{CommitCheck, CopyIn, Hold, Prepared, Session};
+use super::{CommitCheck, CopyIn, Flushed, Hold, Prepared, Session};
 
 /// `in_failed_sql_transaction`: the transaction had already failed before pgfence's check.
 const IN_FAILED_TRANSACTION: &[u8] = b"25P02";
@@ -304,6 +304,20 @@ impl Session {
             if from_check && matches!(self.commit_check, CommitCheck::Pending { .. }) {
                 self.sync_after_skipped_commit();
             }
+            if from_check && self.flushed == Flushed::Check {
+                // The check before a Query or FunctionCall held inside its batch failed: the
+                // server skips up to a Sync, so pgfence sends one. Its ReadyForQuery answers
+                // the held message, as PostgreSQL answers a Query that fails, and what the
+                // client sends after it runs, in a new transaction.
+                msg::sync(&mut self.to_server);
+                self.replies.push(
+                    Request::Sync,
+                    Origin::Injected(Injected::CheckSync(AfterCheck::Release)),
+                );
+                self.skipping_to_sync = false;
+                self.tx.batch_has_execute = false;
+                self.tx.batch_begun = false;
+            }
         }
         if from_check {
             self.observe_check_latency();
@@ -482,6 +496,7 @@ impl Session {
     /// `Session::waits_for_replies`) goes on; not when they were pgfence's own check.
     fn release_waiting(&mut self, answered: Option<Origin>) {
         if self.hold == Hold::Waiting
+            && self.flushed == Flushed::No
             && !matches!(answered, Some(Origin::Injected(Injected::CheckSync(_))))
         {
             self.hold = Hold::None;
@@ -497,6 +512,22 @@ impl Session {
         while let Some(p) = self.replies.pop() {
             if p.request.is_sync_point() {
                 answered = Some(p.origin);
+                if p.origin == Origin::Client
+                    && (p.request == Request::FunctionCall
+                        || (p.request == Request::Query && p.plan.checks.is_empty()))
+                    && matches!(
+                        self.commit_check,
+                        CommitCheck::Sent { .. } | CommitCheck::Pending { .. }
+                    )
+                {
+                    // A Query or FunctionCall answered behind a COMMIT pgfence checked with no
+                    // Sync (of the client's batch, or a lone COMMIT Query itself): the check
+                    // passed and the COMMIT ran (after a failed one the server skips all up to
+                    // a Sync). A check placed later in the batch is not that COMMIT's: it
+                    // meets the block a Query may have opened since (a Query that carries the
+                    // check in its text is answered even when the check fails, and keeps it).
+                    self.commit_check = CommitCheck::None;
+                }
                 break;
             }
             // Undone first first: a later request of the same name is still in the queue
