@@ -1752,11 +1752,13 @@ async fn a_statement_pgfence_cannot_know_is_checked_as_if_it_committed() {
 /// Query's statements end and what a statement calls. The server reads a Query or Parse
 /// pipelined behind a change of it under the new setting, which pgfence learns only from
 /// the ReadyForQuery after the change: it waits for it before it reads such a text. In the
-/// middle of a batch none is owed: a Parse there is taken for a statement pgfence does not
-/// know (checked as if it committed), a Query ends the session with an error that says
-/// why. A stale session once committed a write this way
-/// (found by `protocol_random`'s stale run, seed 1263): pgfence took `-- '; INSERT ...;
-/// COMMIT` for a comment, the server ran the INSERT and committed it.
+/// middle of a batch none is owed, even once the client has flushed the batch and read its
+/// replies: a Parse there is taken for a statement pgfence does not know (checked as if it
+/// committed), a Query ends the session with an error that says why. A stale session once
+/// committed a write this way (found by `protocol_random`'s stale run, seed 1263): pgfence
+/// took `-- '; INSERT ...; COMMIT` for a comment, the server ran the INSERT and committed
+/// it. And again (found 2026-12-03, by reading the code) behind a batch the client had
+/// flushed and read: with nothing in flight, pgfence took the setting for settled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn text_pipelined_behind_a_change_of_standard_conforming_strings_is_read_as_the_server_reads_it(
 ) {
@@ -1824,6 +1826,52 @@ async fn text_pipelined_behind_a_change_of_standard_conforming_strings_is_read_a
     let fatal = replies.iter().find(|m| m.tag == b'E').expect("an error");
     let text = wire::assert_error(fatal, "FATAL", "0A000");
     assert!(text.contains("send Sync before the Query"), "{text}");
+    // The same with the batch flushed and its replies read first: nothing is in flight, and
+    // still no ReadyForQuery has reported the new setting (pgfence took the text for one
+    // literal, and the stale INSERT committed).
+    let mut stale = fx.raw_session(&options);
+    stale.send(
+        &[
+            wire::parse("", "SET standard_conforming_strings = off", &[]),
+            wire::bind("", "", &[]),
+            wire::execute("", 0),
+            wire::flush(),
+        ]
+        .concat(),
+    );
+    let set: Vec<u8> = (0..3).map(|_| stale.recv().tag).collect();
+    assert_eq!(set, b"12C", "the SET's replies");
+    stale.send(&[wire::query(hidden), wire::sync()].concat());
+    let replies = stale.until_closed();
+    let fatal = replies.iter().find(|m| m.tag == b'E').expect("an error");
+    let text = wire::assert_error(fatal, "FATAL", "0A000");
+    assert!(text.contains("send Sync before the Query"), "{text}");
+    // And a Parse there, the other way round (`off` known, `RESET` flushed and read): taken
+    // for a statement pgfence does not know, its portal is checked as if it committed.
+    let mut stale = fx.raw_session(&options);
+    stale.send(&wire::query("SET standard_conforming_strings = off"));
+    stale.until_ready();
+    stale.send(
+        &[
+            wire::parse("", "RESET standard_conforming_strings", &[]),
+            wire::bind("", "", &[]),
+            wire::execute("", 0),
+            wire::flush(),
+        ]
+        .concat(),
+    );
+    let reset: Vec<u8> = (0..3).map(|_| stale.recv().tag).collect();
+    assert_eq!(reset, b"12C", "the RESET's replies");
+    stale.send(
+        &[
+            wire::parse("", "SELECT 'x\\' , scs_w() --'", &[]),
+            wire::bind("", "", &[]),
+            wire::execute("", 0),
+            wire::sync(),
+        ]
+        .concat(),
+    );
+    expect_raw_rejection(&mut stale, "the Parse behind the flushed RESET");
     assert_eq!(fx.count("scs WHERE tag LIKE 'stale%'").await, 0);
 }
 
