@@ -316,15 +316,15 @@ impl Session {
     /// pgfence this way (a literal to pgfence, a statement to the server) and committed a
     /// stale write. Such a text waits for that ReadyForQuery when one is owed.
     fn lexing_in_doubt(&self, sql: &[u8]) -> bool {
-        if !self.fence.enabled || memchr::memchr(b'\\', sql).is_none() {
-            return false;
-        }
         // An Execute since the last sync point may have changed the setting even once it is
         // answered (a batch the client flushed and read): the server reports it only with
-        // the ReadyForQuery of its sync point.
-        let unreported = (!self.replies.is_empty() && !self.replies.state_settled())
-            || self.tx.batch_has_execute;
-        if !unreported {
+        // the ReadyForQuery of its sync point. Cheapest first: the common case has nothing
+        // in flight.
+        if !self.fence.enabled
+            || (self.replies.is_empty() && !self.tx.batch_has_execute)
+            || memchr::memchr(b'\\', sql).is_none()
+            || (!self.tx.batch_has_execute && self.replies.state_settled())
+        {
             return false;
         }
         let other = LexOptions {
