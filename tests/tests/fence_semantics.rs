@@ -2174,6 +2174,48 @@ async fn a_vacuum_inside_a_batch_behind_only_a_parse_is_checked_first_on_its_own
     assert_eq!(tags(&leader.until_ready()), "Z", "the batch's Sync");
 }
 
+/// A client that leaves in the middle of a batch it flushed and read, with nothing in
+/// flight, leaves an implicit transaction open on the server: what the batch wrote must
+/// roll back, not commit with pgfence's reset of the connection it keeps (`DISCARD ALL`
+/// is a Query, which commits the transaction it arrives in if it runs; behind an Execute,
+/// finished or suspended, PostgreSQL refuses it "within a pipeline", and pgfence closes
+/// the connection instead of keeping it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_gone_in_the_middle_of_a_flushed_batch_commits_nothing() {
+    let (fx, options) = Fixture::after_leader_34("gone_mid_batch", |c| {
+        // The fast path would reject the INSERT before it runs.
+        c.fence.fast_path = false;
+    })
+    .await;
+    for (n, max_rows) in [1, 0].into_iter().enumerate() {
+        let mut stale = fx.raw_session(&options);
+        stale.send(
+            &[
+                wire::parse(
+                    "",
+                    format!(
+                        "INSERT INTO gone_mid_batch VALUES ('stale {n} a'), ('stale {n} b') \
+                         RETURNING tag"
+                    ),
+                    &[],
+                ),
+                wire::bind("", "", &[]),
+                wire::execute("", max_rows),
+                wire::flush(),
+            ]
+            .concat(),
+        );
+        let expected: &[u8] = if max_rows == 1 { b"12Ds" } else { b"12DDC" };
+        let replies: Vec<u8> = (0..expected.len()).map(|_| stale.recv().tag).collect();
+        assert_eq!(replies, expected, "max_rows {max_rows}");
+        stale.send(&wire::terminate());
+        drop(stale);
+    }
+    // The kept connection's reset (or the server's rollback) is done within a moment.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(fx.count("gone_mid_batch WHERE tag LIKE 'stale%'").await, 0);
+}
+
 /// `COMMIT PREPARED` and `ROLLBACK PREPARED` finish a transaction checked at its `PREPARE
 /// TRANSACTION`: they are not checked again. A check before them, in a transaction of its
 /// own, waited for the prepared transaction's locks on its fence, held until the very

@@ -879,9 +879,8 @@ impl Gen {
                 .any(|m| matches!(m, Out::Execute { .. }))
         {
             // README's known limitation: behind an Execute of its transaction, PostgreSQL
-            // refuses it "within a pipeline" unless that Execute ran an empty statement,
-            // transaction control or only part of a portal's rows; pgfence's check, an
-            // Execute, makes it fail there too. Not drawn from the generator: the random
+            // refuses it "within a pipeline" unless that Execute ran an empty statement or
+            // transaction control; pgfence's check, an Execute, makes it fail there too. Not drawn from the generator: the random
             // stream stays as it was.
             sql = "SELECT 1 AS one".to_string();
         }
