@@ -759,3 +759,45 @@ async fn kill_client_ends_one_session() {
         .await
         .expect("the bystander is not killed");
 }
+
+/// `SHOW STATS` counts each client Query once, also one pgfence holds until the check
+/// before it is answered (a Query inside an extended-protocol batch that wrote, whose
+/// transaction it commits) and then handles again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_query_held_for_its_check_counts_once() {
+    let (_cluster, proxy, _config) = setup().await;
+    let admin = proxy.connect(CONSOLE).await;
+    let stat = |name: &'static str| {
+        let admin = &admin;
+        async move {
+            let stats = show(admin, "SHOW STATS").await;
+            let value: u64 = stats.pairs()[name].parse().expect("numeric stat");
+            value
+        }
+    };
+    let (queries, checks) = (stat("queries").await, stat("fence_checks").await);
+    let mut session = RawConn::login_with_options(
+        proxy.addr(),
+        SUPERUSER,
+        APP_DB,
+        "-c fencing.token=5 -c fencing.resource=billing",
+    );
+    let parse = |sql: &str| wire::parse("", sql, &[]);
+    session.send(
+        &[
+            parse("INSERT INTO ledger VALUES (1)"),
+            wire::bind("", "", &[]),
+            wire::execute("", 0),
+            wire::query("SELECT 1"),
+            wire::sync(),
+        ]
+        .concat(),
+    );
+    let replies = session.until_ready();
+    assert!(replies.iter().all(|m| m.tag != b'E'), "{replies:?}");
+    session.until_ready();
+    // The Execute and the Query (the console's own are not counted); the check before the
+    // Query.
+    assert_eq!(stat("queries").await, queries + 2);
+    assert_eq!(stat("fence_checks").await, checks + 1);
+}

@@ -142,7 +142,14 @@ impl Session {
             }
         }
         match kind {
-            Frontend::Query => return self.on_query(frame),
+            Frontend::Query => {
+                let flow = self.on_query(frame)?;
+                // Counted once: a Query held comes back here to be handled again.
+                if flow != Flow::Hold {
+                    self.shared.stats.queries.add();
+                }
+                return Ok(flow);
+            }
             Frontend::Parse => return self.on_parse(frame),
             Frontend::Bind => return self.on_bind(frame),
             Frontend::Execute => return self.on_execute(frame),
@@ -411,7 +418,6 @@ impl Session {
             }
             return Ok(self.hold_until_answered());
         }
-        self.shared.stats.queries.add();
         // Analysed where it lies, without the copies a prepared statement keeps.
         let analysis = &self.analyze(sql);
         if analysis.may_write() {
