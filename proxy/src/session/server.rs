@@ -307,9 +307,9 @@ impl Session {
             if from_check && self.flushed == Flushed::Check && self.replies.is_empty() {
                 // The check before a Query or FunctionCall held inside its batch failed (the
                 // last thing sent: a check of an earlier sync point leaves that in the
-                // queue): the server skips up to a Sync, so pgfence sends one. Its ReadyForQuery answers
-                // the held message, as PostgreSQL answers a Query that fails, and what the
-                // client sends after it runs, in a new transaction.
+                // queue): the server skips up to a Sync, so pgfence sends one. Its
+                // ReadyForQuery answers the held message, as PostgreSQL answers a Query that
+                // fails, and what the client sends after it runs, in a new transaction.
                 msg::sync(&mut self.to_server);
                 self.replies.push(
                     Request::Sync,
