@@ -1822,57 +1822,40 @@ async fn text_pipelined_behind_a_change_of_standard_conforming_strings_is_read_a
         ]
         .concat(),
     );
-    let replies = stale.until_closed();
-    let fatal = replies.iter().find(|m| m.tag == b'E').expect("an error");
-    let text = wire::assert_error(fatal, "FATAL", "0A000");
-    assert!(text.contains("send Sync before the Query"), "{text}");
+    expect_lexing_refused(&mut stale);
     // The same with the batch flushed and its replies read first: nothing is in flight, and
     // still no ReadyForQuery has reported the new setting (pgfence took the text for one
     // literal, and the stale INSERT committed).
     let mut stale = fx.raw_session(&options);
-    stale.send(
-        &[
-            wire::parse("", "SET standard_conforming_strings = off", &[]),
-            wire::bind("", "", &[]),
-            wire::execute("", 0),
-            wire::flush(),
-        ]
-        .concat(),
-    );
-    let set: Vec<u8> = (0..3).map(|_| stale.recv().tag).collect();
-    assert_eq!(set, b"12C", "the SET's replies");
+    execute_flushed(&mut stale, "SET standard_conforming_strings = off");
     stale.send(&[wire::query(hidden), wire::sync()].concat());
-    let replies = stale.until_closed();
-    let fatal = replies.iter().find(|m| m.tag == b'E').expect("an error");
-    let text = wire::assert_error(fatal, "FATAL", "0A000");
-    assert!(text.contains("send Sync before the Query"), "{text}");
+    expect_lexing_refused(&mut stale);
     // And a Parse there, the other way round (`off` known, `RESET` flushed and read): taken
     // for a statement pgfence does not know, its portal is checked as if it committed.
     let mut stale = fx.raw_session(&options);
     stale.send(&wire::query("SET standard_conforming_strings = off"));
     stale.until_ready();
-    stale.send(
-        &[
-            wire::parse("", "RESET standard_conforming_strings", &[]),
-            wire::bind("", "", &[]),
-            wire::execute("", 0),
-            wire::flush(),
-        ]
-        .concat(),
-    );
-    let reset: Vec<u8> = (0..3).map(|_| stale.recv().tag).collect();
-    assert_eq!(reset, b"12C", "the RESET's replies");
-    stale.send(
-        &[
-            wire::parse("", "SELECT 'x\\' , scs_w() --'", &[]),
-            wire::bind("", "", &[]),
-            wire::execute("", 0),
-            wire::sync(),
-        ]
-        .concat(),
-    );
+    execute_flushed(&mut stale, "RESET standard_conforming_strings");
+    stale.send(&[pbe("SELECT 'x\\' , scs_w() --'"), wire::sync()].concat());
     expect_raw_rejection(&mut stale, "the Parse behind the flushed RESET");
     assert_eq!(fx.count("scs WHERE tag LIKE 'stale%'").await, 0);
+}
+
+/// Parse, Bind and Execute of `sql` and a Flush; reads their replies (ParseComplete,
+/// BindComplete, CommandComplete), leaving the batch open.
+fn execute_flushed(conn: &mut RawConn, sql: &str) {
+    conn.send(&[pbe(sql), wire::flush()].concat());
+    let tags: Vec<u8> = (0..3).map(|_| conn.recv().tag).collect();
+    assert_eq!(tags, b"12C", "the replies to {sql}");
+}
+
+/// The session ends with pgfence's refusal of a Query it cannot read while a change of
+/// `standard_conforming_strings` may be unreported.
+fn expect_lexing_refused(conn: &mut RawConn) {
+    let replies = conn.until_closed();
+    let fatal = replies.iter().find(|m| m.tag == b'E').expect("an error");
+    let text = wire::assert_error(fatal, "FATAL", "0A000");
+    assert!(text.contains("send Sync before the Query"), "{text}");
 }
 
 /// `ROLLBACK TO SAVEPOINT` in a failed block revives it, with what it wrote before the
