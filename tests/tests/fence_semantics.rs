@@ -2116,8 +2116,9 @@ async fn a_query_or_function_call_inside_a_batch_is_checked_with_what_the_batch_
     }
 }
 
-/// A lone `VACUUM` inside a batch, behind only a Parse, Bind, Describe or Close of it, runs
-/// on PostgreSQL in a transaction of its own (it ends the one they started). pgfence sends a
+/// A lone `VACUUM` inside a batch, behind only a Parse, Bind, Describe or Close of it (or an
+/// Execute of an empty statement), runs on PostgreSQL in a transaction of its own (it ends
+/// the one they started). pgfence sends a
 /// Flush, reads their replies, and checks the token first on its own, as before a `VACUUM`
 /// sent alone: a stale one is rejected and the batch goes on, the leader's runs. Its check as
 /// an Execute in their transaction made PostgreSQL refuse it "within a pipeline"; when one
@@ -2134,12 +2135,27 @@ async fn a_vacuum_inside_a_batch_behind_only_a_parse_is_checked_first_on_its_own
         ]
         .concat()
     };
+    // Behind an Execute of an empty statement, which leaves PostgreSQL's pipelining flag
+    // alone: the same.
+    let behind_empty = [
+        wire::parse("", "", &[]),
+        wire::bind("", "", &[]),
+        wire::execute("", 0),
+        wire::query("VACUUM vacuum_inside"),
+        wire::sync(),
+    ]
+    .concat();
     let tags = |replies: &[Msg]| replies.iter().map(|m| m.tag as char).collect::<String>();
     let mut stale = fx.raw_session(&options);
     stale.send(&batch("SELECT 1"));
     let vacuum = stale.until_ready();
     assert_eq!(tags(&vacuum), "12EZ", "{vacuum:?}");
     wire::assert_error(&vacuum[2], "ERROR", "FN001");
+    assert_eq!(tags(&stale.until_ready()), "Z", "the batch's Sync");
+    stale.send(&behind_empty);
+    let vacuum = stale.until_ready();
+    assert_eq!(tags(&vacuum), "12IEZ", "{vacuum:?}");
+    wire::assert_error(&vacuum[3], "ERROR", "FN001");
     assert_eq!(tags(&stale.until_ready()), "Z", "the batch's Sync");
     stale.send(&batch("SELEC 1"));
     let skipped = stale.until_ready();
@@ -2154,6 +2170,10 @@ async fn a_vacuum_inside_a_batch_behind_only_a_parse_is_checked_first_on_its_own
         Some("VACUUM"),
         "{vacuum:?}"
     );
+    assert_eq!(tags(&leader.until_ready()), "Z", "the batch's Sync");
+    leader.send(&behind_empty);
+    let vacuum = leader.until_ready();
+    assert_eq!(tags(&vacuum), "12ICZ", "{vacuum:?}");
     assert_eq!(tags(&leader.until_ready()), "Z", "the batch's Sync");
 }
 

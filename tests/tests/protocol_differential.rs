@@ -261,6 +261,28 @@ fn main_steps(abs_oid: u32) -> Vec<Step> {
             Ready(3),
         ),
         step(
+            // Executes of empty statements leave PostgreSQL's pipelining flag as it was: it
+            // runs the `VACUUM` alone, and pgfence checks it first on its own, as behind
+            // only a Parse (its check as an Execute made it fail "within a pipeline").
+            "VACUUM alone inside a batch, behind Executes of empty statements",
+            cat(&[
+                pbe("", &[]),
+                pbe("/* nothing */ ;", &[]),
+                q("VACUUM d"),
+                pbe("INSERT INTO d VALUES (25, 'y')", &[]),
+                wire::sync(),
+                q("SELECT count(*) FROM d"),
+            ]),
+            Ready(3),
+        ),
+        step(
+            // An Execute of a read sets it: PostgreSQL refuses the `VACUUM` "within a
+            // pipeline", and so does pgfence's check before it.
+            "VACUUM alone inside a batch, behind an Execute of a read",
+            cat(&[pbe("SELECT 1", &[]), q("VACUUM d"), wire::sync()]),
+            Ready(2),
+        ),
+        step(
             // The same behind a Query of the batch that wrote (ending its transaction) and a
             // Parse after it.
             "VACUUM alone inside a batch, behind a Query that wrote and a Parse",

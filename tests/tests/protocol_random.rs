@@ -878,10 +878,12 @@ impl Gen {
                 .take_while(|m| !matches!(m, Out::Sync | Out::Query(_) | Out::FunctionCall(_)))
                 .any(|m| matches!(m, Out::Execute { .. }))
         {
-            // README's known limitation: behind an Execute of its transaction, PostgreSQL
-            // refuses it "within a pipeline" unless that Execute ran an empty statement or
-            // transaction control; pgfence's check, an Execute, makes it fail there too. Not drawn from the generator: the random
-            // stream stays as it was.
+            // Behind an Execute of its transaction, PostgreSQL refuses it "within a
+            // pipeline", as pgfence's check there (an Execute) makes it; but not behind an
+            // Executed `COMMIT` or `ROLLBACK` with only empty statements after it, README's
+            // known limitation, which the generator cannot tell from here (it does not know
+            // which statement a portal runs). Not drawn from the generator: the random stream
+            // stays as it was.
             sql = "SELECT 1 AS one".to_string();
         }
         out.push(Out::Query(sql));

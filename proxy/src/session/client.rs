@@ -169,7 +169,7 @@ impl Session {
                     self.inject_check(false);
                     self.tx.end();
                 }
-                self.tx.batch_has_execute = false;
+                self.tx.end_batch();
                 self.forward(frame, Request::Sync);
                 if let CommitCheck::Sent { found_failed } = self.commit_check {
                     self.commit_check = CommitCheck::Pending { found_failed };
@@ -235,7 +235,7 @@ impl Session {
                 // It ends the transaction its batch's Executes ran in (or makes it a block
                 // with its `BEGIN`): what follows in the batch starts a new one, as after a
                 // Sync (PostgreSQL runs a `VACUUM` alone there).
-                self.tx.batch_has_execute = false;
+                self.tx.end_batch();
             }
             self.sync_sent.push_back(std::time::Instant::now());
         }
@@ -369,6 +369,14 @@ impl Session {
         self.fence.enabled && self.tx.view == View::Idle && !self.tx.batch_has_execute
     }
 
+    /// Whether a statement that cannot run in a transaction block, sent as a Query now,
+    /// runs on the server as it would alone: no block is open, and no Execute since the
+    /// last sync point makes PostgreSQL refuse it "within a pipeline" (see
+    /// [`super::tx::TxState::batch_pipelined`]).
+    fn runs_alone(&self) -> bool {
+        self.fence.enabled && self.tx.view == View::Idle && !self.tx.batch_pipelined
+    }
+
     /// Whether a Query or FunctionCall sent now lands inside an extended-protocol batch,
     /// before its Sync: an Execute was sent since the last sync point, or requests of a
     /// batch are in flight behind it. The server runs such a message in the batch's
@@ -457,30 +465,28 @@ impl Session {
                     msg::ready_for_query(&mut self.to_client, status);
                     return Ok(Flow::Continue);
                 }
-                None if self.precheck_possible() && self.replies.is_empty() => {
+                None if self.runs_alone() && self.replies.is_empty() => {
                     self.tx.add_directives(&analysis.directives);
                     self.inject_check_with_sync(true, AfterCheck::Release);
                     return Ok(self.hold_until_answered());
                 }
-                None if self.tx.view == View::Idle
-                    && self.batch_commits_inside()
-                    && !self.tx.batch_has_execute =>
-                {
-                    // Inside a batch, behind only its Parse, Bind, Describe or Close: the
-                    // server runs the statement as it would outside one (it ends the
-                    // transaction they started), but an Execute of pgfence's check there
-                    // would make it fail "within a pipeline". A Flush brings their replies:
-                    // once they are in, the statement is checked first on its own (the
-                    // transaction it ends has run nothing), or, if one of them failed, goes
-                    // on to the server, which skips it.
+                None if self.runs_alone() && self.batch_commits_inside() => {
+                    // Inside a batch, behind only its Parse, Bind, Describe or Close and
+                    // Executes of empty statements: the server runs the statement as it
+                    // would outside one (it ends the transaction they started), but an
+                    // Execute of pgfence's check there would make it fail "within a
+                    // pipeline". A Flush brings their replies: once they are in, the
+                    // statement is checked first on its own (the transaction it ends has run
+                    // nothing), or, if one of them failed, goes on to the server, which
+                    // skips it.
                     msg::flush(&mut self.to_server);
                     self.flushed = Flushed::ForPrecheck;
                     return Ok(self.hold_until_answered());
                 }
                 None if self.tx.view == View::Idle && self.batch_commits_inside() => {
-                    // Inside a batch, behind an Execute of its transaction: the statement
-                    // commits what the batch wrote (PostgreSQL refuses one that cannot run in
-                    // a block "within a pipeline" there anyway). Checked first, in that
+                    // Inside a batch, behind an Execute of its transaction that pipelines:
+                    // the statement commits what the batch wrote (PostgreSQL refuses one that
+                    // cannot run in a block "within a pipeline" there anyway). Checked first, in that
                     // transaction, with no Sync (which would end the client's batch).
                     self.tx.add_directives(&analysis.directives);
                     return Ok(self.check_inside_batch_first(true));
@@ -875,7 +881,7 @@ impl Session {
             return Ok(self.hold_until_answered());
         }
         self.shared.stats.queries.add();
-        self.tx.batch_has_execute = true;
+        self.tx.on_execute(kind);
         if let Some(p) = &prepared {
             if p.analysis.may_write() {
                 self.last_write = Some(Remembered::Prepared(p.clone()));

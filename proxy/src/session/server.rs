@@ -316,7 +316,7 @@ impl Session {
                     Origin::Injected(Injected::CheckSync(AfterCheck::Release)),
                 );
                 self.skipping_to_sync = false;
-                self.tx.batch_has_execute = false;
+                self.tx.end_batch();
                 self.tx.batch_begun = false;
             }
         }

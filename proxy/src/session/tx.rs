@@ -33,6 +33,11 @@ pub struct TxState {
     /// An Execute was sent since the last Sync (the extended protocol's implicit
     /// transaction may already hold writes).
     pub batch_has_execute: bool,
+    /// An Execute since the last Sync ran a statement after which PostgreSQL refuses one
+    /// that cannot run in a transaction block "within a pipeline" (its
+    /// `XACT_FLAGS_PIPELINING`): any but an empty statement or transaction control, which
+    /// leave the flag as it was. A `VACUUM` behind only those runs, as behind no Execute.
+    pub batch_pipelined: bool,
     /// The last transaction control sent since the last sync point is a `BEGIN`: at the
     /// next Sync nothing commits (see [`TxState::sync_needs_check`]).
     pub batch_begun: bool,
@@ -63,9 +68,33 @@ impl TxState {
             dirty: false,
             directives: Vec::new(),
             batch_has_execute: false,
+            batch_pipelined: false,
             batch_begun: false,
             check_reads,
         }
+    }
+
+    /// An Execute of a statement of this kind is being sent (see [`TxState::on_statement`]
+    /// for what it does to the transaction).
+    pub fn on_execute(&mut self, kind: StatementKind) {
+        self.batch_has_execute = true;
+        self.batch_pipelined |= !matches!(
+            kind,
+            StatementKind::Empty
+                | StatementKind::Begin
+                | StatementKind::Commit
+                | StatementKind::Rollback
+                | StatementKind::PrepareTransaction
+                | StatementKind::Savepoint
+                | StatementKind::RollbackToSavepoint
+                | StatementKind::FinishPrepared
+        );
+    }
+
+    /// A sync point (Sync, Query, FunctionCall) ends the batch's implicit transaction.
+    pub fn end_batch(&mut self) {
+        self.batch_has_execute = false;
+        self.batch_pipelined = false;
     }
 
     /// A statement of this kind is being sent (extended protocol Execute).
