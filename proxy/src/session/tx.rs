@@ -296,3 +296,43 @@ impl TxState {
         plan
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::TxState;
+    use fence_core::classify::StatementKind;
+
+    /// PostgreSQL sets its pipelining flag at an Execute of anything but an empty statement
+    /// or transaction control, and a sync point ends it.
+    #[test]
+    fn only_executes_of_statements_pipeline_a_batch() {
+        let mut tx = TxState::new(false);
+        for kind in [
+            StatementKind::Empty,
+            StatementKind::Begin,
+            StatementKind::Commit,
+            StatementKind::Rollback,
+            StatementKind::PrepareTransaction,
+            StatementKind::Savepoint,
+            StatementKind::RollbackToSavepoint,
+            StatementKind::FinishPrepared,
+        ] {
+            tx.on_execute(kind);
+            assert!(tx.batch_has_execute);
+            assert!(!tx.batch_pipelined, "{kind:?}");
+        }
+        for kind in [
+            StatementKind::ReadOnly,
+            StatementKind::MayWrite,
+            StatementKind::NonTransactional,
+            StatementKind::Discard,
+            StatementKind::Execute,
+        ] {
+            tx.end_batch();
+            assert!(!tx.batch_has_execute && !tx.batch_pipelined);
+            tx.on_execute(kind);
+            tx.on_execute(StatementKind::Empty);
+            assert!(tx.batch_pipelined, "{kind:?}");
+        }
+    }
+}
