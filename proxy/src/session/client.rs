@@ -486,8 +486,8 @@ impl Session {
                 None if self.tx.view == View::Idle && self.batch_commits_inside() => {
                     // Inside a batch, behind an Execute of its transaction that pipelines:
                     // the statement commits what the batch wrote (PostgreSQL refuses one that
-                    // cannot run in a block "within a pipeline" there anyway). Checked first, in that
-                    // transaction, with no Sync (which would end the client's batch).
+                    // cannot run in a block "within a pipeline" there anyway). Checked first,
+                    // in that transaction, with no Sync (which would end the client's batch).
                     self.tx.add_directives(&analysis.directives);
                     return Ok(self.check_inside_batch_first(true));
                 }
