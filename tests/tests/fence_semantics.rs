@@ -2118,11 +2118,13 @@ async fn a_query_or_function_call_inside_a_batch_is_checked_with_what_the_batch_
 
 /// A lone `VACUUM` inside a batch, behind only a Parse, Bind, Describe or Close of it (or an
 /// Execute of an empty statement), runs on PostgreSQL in a transaction of its own (it ends
-/// the one they started). pgfence sends a
-/// Flush, reads their replies, and checks the token first on its own, as before a `VACUUM`
-/// sent alone: a stale one is rejected and the batch goes on, the leader's runs. Its check as
-/// an Execute in their transaction made PostgreSQL refuse it "within a pipeline"; when one
-/// of them fails, the server skips the `VACUUM`, and pgfence adds nothing.
+/// the one they started); so behind an Executed `COMMIT` of the batch, after which a new
+/// transaction starts. pgfence sends a Flush, reads their replies (behind a `COMMIT`, then
+/// sends a Sync of its own, to learn whether a block is open), and checks the token first
+/// on its own, as before a `VACUUM` sent alone: a stale one is rejected and the batch goes
+/// on, the leader's runs. Its check as an Execute in their transaction made PostgreSQL
+/// refuse it "within a pipeline"; when one of them fails, the server skips the `VACUUM`, and
+/// pgfence adds nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vacuum_inside_a_batch_behind_only_a_parse_is_checked_first_on_its_own() {
     let (fx, options) = Fixture::after_leader_34("vacuum_inside", |_| {}).await;
@@ -2135,18 +2137,32 @@ async fn a_vacuum_inside_a_batch_behind_only_a_parse_is_checked_first_on_its_own
         ]
         .concat()
     };
+    // An unnamed Parse, Bind and Execute of each statement, then the `VACUUM` and a Sync.
+    let vacuum_behind = |statements: &[&str]| {
+        let mut batch = Vec::new();
+        for sql in statements {
+            batch.extend(wire::parse("", sql, &[]));
+            batch.extend(wire::bind("", "", &[]));
+            batch.extend(wire::execute("", 0));
+        }
+        batch.extend(wire::query("VACUUM vacuum_inside"));
+        batch.extend(wire::sync());
+        batch
+    };
     // Behind an Execute of an empty statement, which leaves PostgreSQL's pipelining flag
     // alone: the same.
-    let behind_empty = [
-        wire::parse("", "", &[]),
-        wire::bind("", "", &[]),
-        wire::execute("", 0),
-        wire::query("VACUUM vacuum_inside"),
-        wire::sync(),
-    ]
-    .concat();
+    let behind_empty = vacuum_behind(&[""]);
+    // Behind an Executed COMMIT of the batch (with no block open: a warning) and an empty
+    // statement: PostgreSQL runs the `VACUUM` in a new transaction, and pgfence, once a Sync
+    // of its own told it that no block is open, checks it first on its own.
+    let behind_commit = vacuum_behind(&["COMMIT", ""]);
     let tags = |replies: &[Msg]| replies.iter().map(|m| m.tag as char).collect::<String>();
     let mut stale = fx.raw_session(&options);
+    stale.send(&behind_commit);
+    let vacuum = stale.until_ready();
+    assert_eq!(tags(&vacuum), "12NC12IEZ", "{vacuum:?}");
+    wire::assert_error(&vacuum[7], "ERROR", "FN001");
+    assert_eq!(tags(&stale.until_ready()), "Z", "the batch's Sync");
     stale.send(&batch("SELECT 1"));
     let vacuum = stale.until_ready();
     assert_eq!(tags(&vacuum), "12EZ", "{vacuum:?}");
@@ -2175,6 +2191,49 @@ async fn a_vacuum_inside_a_batch_behind_only_a_parse_is_checked_first_on_its_own
     let vacuum = leader.until_ready();
     assert_eq!(tags(&vacuum), "12ICZ", "{vacuum:?}");
     assert_eq!(tags(&leader.until_ready()), "Z", "the batch's Sync");
+    leader.send(&behind_commit);
+    let vacuum = leader.until_ready();
+    assert_eq!(tags(&vacuum), "12NC12ICZ", "{vacuum:?}");
+    assert_eq!(tags(&leader.until_ready()), "Z", "the batch's Sync");
+    // Behind the COMMIT of a block that wrote: pgfence checks the COMMIT in the batch, and
+    // the `VACUUM` after it on its own. The write commits, and the `VACUUM` runs.
+    leader.send(&wire::query("BEGIN"));
+    assert_eq!(tags(&leader.until_ready()), "CZ");
+    leader.send(&vacuum_behind(&[
+        "INSERT INTO vacuum_inside VALUES ('leader, then VACUUM')",
+        "COMMIT",
+    ]));
+    let vacuum = leader.until_ready();
+    assert_eq!(tags(&vacuum), "12C12CCZ", "{vacuum:?}");
+    assert_eq!(
+        vacuum[6].command_tag().as_deref(),
+        Some("VACUUM"),
+        "{vacuum:?}"
+    );
+    assert_eq!(tags(&leader.until_ready()), "Z", "the batch's Sync");
+    assert_eq!(
+        fx.count("vacuum_inside WHERE tag = 'leader, then VACUUM'")
+            .await,
+        1
+    );
+    // Behind a COMMIT that chains a new block, the `VACUUM` fails in it, as on PostgreSQL.
+    leader.send(
+        &[
+            vacuum_behind(&["BEGIN", "COMMIT AND CHAIN"]),
+            wire::query("ROLLBACK"),
+        ]
+        .concat(),
+    );
+    let vacuum = leader.until_ready();
+    assert_eq!(tags(&vacuum), "12C12CEZ", "{vacuum:?}");
+    wire::assert_error(&vacuum[6], "ERROR", "25001");
+    let sync = leader.until_ready();
+    assert_eq!(
+        sync[0].ready_status(),
+        Some(b'E'),
+        "the batch's Sync: {sync:?}"
+    );
+    assert_eq!(tags(&leader.until_ready()), "CZ", "ROLLBACK");
 }
 
 /// A client that leaves in the middle of a batch it flushed and read, with nothing in

@@ -283,6 +283,53 @@ fn main_steps(abs_oid: u32) -> Vec<Step> {
             Ready(2),
         ),
         step(
+            // An Executed COMMIT ends the transaction: PostgreSQL runs the `VACUUM` in a new
+            // one, without the flag. pgfence checks the COMMIT of the block that wrote, then
+            // learns that no block is open (a Sync of its own, after every reply came in) and
+            // checks the `VACUUM` first on its own (its check appended to the Query made it
+            // fail "inside a transaction block"). The setting changed in the block is reported
+            // with the `VACUUM`'s ReadyForQuery on both.
+            "VACUUM alone inside a batch, behind an Executed COMMIT of a block that wrote",
+            cat(&[
+                q("BEGIN"),
+                pbe("INSERT INTO d VALUES (26, 'z')", &[]),
+                pbe("SET application_name = 'vacuum behind commit'", &[]),
+                pbe("COMMIT", &[]),
+                pbe("", &[]),
+                q("VACUUM d"),
+                pbe("RESET application_name", &[]),
+                wire::sync(),
+                q("SELECT count(*) FROM d"),
+            ]),
+            Ready(4),
+        ),
+        step(
+            // The same behind a ROLLBACK, which ends the implicit transaction of the write
+            // before it (with a warning: no block is open).
+            "VACUUM alone inside a batch, behind an Executed ROLLBACK",
+            cat(&[
+                pbe("INSERT INTO d VALUES (27, 'z')", &[]),
+                pbe("ROLLBACK", &[]),
+                q("VACUUM d"),
+                wire::sync(),
+                q("SELECT count(*) FROM d"),
+            ]),
+            Ready(3),
+        ),
+        step(
+            // `COMMIT AND CHAIN` opens a new block at once: the `VACUUM` fails in it, on
+            // both.
+            "VACUUM inside a batch, behind an Executed COMMIT AND CHAIN",
+            cat(&[
+                pbe("BEGIN", &[]),
+                pbe("COMMIT AND CHAIN", &[]),
+                q("VACUUM d"),
+                wire::sync(),
+                q("ROLLBACK"),
+            ]),
+            Ready(3),
+        ),
+        step(
             // The same behind a Query of the batch that wrote (ending its transaction) and a
             // Parse after it.
             "VACUUM alone inside a batch, behind a Query that wrote and a Parse",

@@ -870,22 +870,11 @@ impl Gen {
             out.push(Out::FunctionCall(k));
             return;
         }
-        let mut sql = self.simple_sql();
-        if sql == "VACUUM r"
-            && out
-                .iter()
-                .rev()
-                .take_while(|m| !matches!(m, Out::Sync | Out::Query(_) | Out::FunctionCall(_)))
-                .any(|m| matches!(m, Out::Execute { .. }))
-        {
-            // Behind an Execute of its transaction, PostgreSQL refuses it "within a
-            // pipeline", as pgfence's check there (an Execute) makes it; but not behind an
-            // Executed `COMMIT` or `ROLLBACK` with only empty statements after it, README's
-            // known limitation, which the generator cannot tell from here (it does not know
-            // which statement a portal runs). Not drawn from the generator: the random stream
-            // stays as it was.
-            sql = "SELECT 1 AS one".to_string();
-        }
+        // It may be a lone `VACUUM r`: PostgreSQL runs it behind only a Parse, Bind,
+        // Describe, Close, Executes of empty statements or an Executed `COMMIT` or
+        // `ROLLBACK`, and refuses it "within a pipeline" behind an Execute of any other
+        // statement of its transaction; through pgfence too.
+        let sql = self.simple_sql();
         out.push(Out::Query(sql));
     }
 

@@ -9,7 +9,7 @@ use fence_core::lexer::{is_keyword, LexOptions, Lexer, TokKind};
 use crate::error::SessionError;
 use crate::protocol::message::{self as msg, Frontend};
 
-use super::replies::{AfterCheck, QueryPlan, Request};
+use super::replies::{AfterCheck, Injected, Origin, QueryPlan, Request};
 use super::tx::View;
 use super::{CommitCheck, CopyIn, Flow, Flushed, Hold, Prepared, Remembered, Session};
 
@@ -113,7 +113,7 @@ impl Session {
                 Frontend::Sync => {
                     self.discard_until_sync = None;
                     self.tx.batch_begun = false;
-                    msg::ready_for_query(&mut self.to_client, status);
+                    self.ready_to_client(status);
                 }
                 Frontend::Terminate => return Ok(Flow::Terminate),
                 _ => {}
@@ -210,7 +210,7 @@ impl Session {
     fn forward(&mut self, frame: &[u8], request: Request) {
         self.to_server.extend_from_slice(frame);
         self.sent(request);
-        self.replies.push(request, super::replies::Origin::Client);
+        self.replies.push(request, Origin::Client);
     }
 
     /// Forwards a Parse or Bind of statement or portal `name`, which stood for `before` (see
@@ -377,6 +377,24 @@ impl Session {
         self.fence.enabled && self.tx.view == View::Idle && !self.tx.batch_pipelined
     }
 
+    /// Whether a statement that cannot run in a transaction block, sent as a Query now inside
+    /// a batch, waits to learn the state first: the batch ended its transaction with an
+    /// Executed `COMMIT` or `ROLLBACK` (the view is unknown until a ReadyForQuery), and
+    /// nothing after it makes PostgreSQL refuse the statement "within a pipeline" or opened a
+    /// block.
+    fn learns_state_first(&self) -> bool {
+        self.tx.view == View::Unknown
+            && !self.tx.batch_pipelined
+            && self.batch_commits_inside()
+            && matches!(
+                self.commit_check,
+                CommitCheck::None
+                    | CommitCheck::Sent {
+                        found_failed: false
+                    }
+            )
+    }
+
     /// Whether a Query or FunctionCall sent now lands inside an extended-protocol batch,
     /// before its Sync: an Execute was sent since the last sync point, or requests of a
     /// batch are in flight behind it. The server runs such a message in the batch's
@@ -462,7 +480,7 @@ impl Session {
                     return Ok(Flow::Continue);
                 }
                 Some(Err(status)) => {
-                    msg::ready_for_query(&mut self.to_client, status);
+                    self.ready_to_client(status);
                     return Ok(Flow::Continue);
                 }
                 None if self.runs_alone() && self.replies.is_empty() => {
@@ -481,6 +499,30 @@ impl Session {
                     // skips it.
                     msg::flush(&mut self.to_server);
                     self.flushed = Flushed::ForPrecheck;
+                    return Ok(self.hold_until_answered());
+                }
+                None if self.learns_state_first() => {
+                    // Inside a batch, behind an Executed `COMMIT` or `ROLLBACK` of it and only
+                    // empty statements or a Parse, Bind, Describe or Close since: PostgreSQL
+                    // runs the statement in a new transaction, outside a block unless the
+                    // `COMMIT` chained one. A Flush brings the replies in flight; behind an
+                    // error the statement goes on to the server as it is, which skips it.
+                    // Once they are all in, a Sync of pgfence's tells whether a block is open
+                    // (it ends only a transaction that has run nothing), and the statement is
+                    // handled again: checked first on its own when none is.
+                    if self.replies.is_empty() {
+                        // Every reply came without an error (else the client's messages would
+                        // go to the server as they are, up to its Sync): a check before a
+                        // COMMIT of the batch passed, and the COMMIT ran.
+                        self.commit_check = CommitCheck::None;
+                        msg::sync(&mut self.to_server);
+                        self.replies
+                            .push(Request::Sync, Origin::Injected(Injected::StateSync));
+                        self.tx.end_batch();
+                    } else {
+                        msg::flush(&mut self.to_server);
+                        self.flushed = Flushed::ForPrecheck;
+                    }
                     return Ok(self.hold_until_answered());
                 }
                 None if self.tx.view == View::Idle && self.batch_commits_inside() => {
@@ -509,7 +551,7 @@ impl Session {
         let checked_first = match self.take_hold() {
             Some(Ok(())) => true,
             Some(Err(status)) => {
-                msg::ready_for_query(&mut self.to_client, status);
+                self.ready_to_client(status);
                 return Ok(Flow::Continue);
             }
             None => false,
@@ -664,7 +706,7 @@ impl Session {
                     hint: Some(&rejection.hint),
                 },
             );
-            msg::ready_for_query(&mut self.to_client, b'I');
+            self.ready_to_client(b'I');
             return Flow::Continue;
         }
         // A transaction is open: make it fail upstream exactly as the client is told.
@@ -695,7 +737,7 @@ impl Session {
                 Some(Ok(())) => {}
                 Some(Err(status)) => {
                     // The check's error went to the client; the call never runs.
-                    msg::ready_for_query(&mut self.to_client, status);
+                    self.ready_to_client(status);
                     return Flow::Continue;
                 }
                 None if self.precheck_possible() && self.replies.is_empty() => {

@@ -577,6 +577,10 @@ pub(crate) struct Session {
     /// before it reports the last statement complete, so a client gets a command tag or an
     /// error for it, never both.
     held_complete: Option<Vec<u8>>,
+    /// ParameterStatus messages the server sent with the ReadyForQuery of pgfence's own
+    /// Sync ([`replies::Injected::StateSync`]), held for the client's next ReadyForQuery,
+    /// which PostgreSQL would have sent them with.
+    held_status: Vec<u8>,
     /// When each client Query, Sync or FunctionCall still in flight was sent (latency).
     sync_sent: std::collections::VecDeque<Instant>,
     /// When the check in flight was sent (latency).
@@ -656,6 +660,7 @@ impl Session {
             copy_in: CopyIn::None,
             commit_check: CommitCheck::None,
             held_complete: None,
+            held_status: Vec::new(),
             lex: fence_core::lexer::LexOptions::default(),
             chars: fence::Chars::default(),
             sync_sent: std::collections::VecDeque::new(),

@@ -116,6 +116,11 @@ pub enum Injected {
     /// `RESET pgfence.accepted` after a prepared transaction (see
     /// `FenceSettings::hint_outlives_prepare`): its replies are pgfence's alone.
     ResetHint,
+    /// A Sync of pgfence's own inside a batch whose replies are all in, without an error,
+    /// sent to learn from its ReadyForQuery whether a transaction block is open (see
+    /// `Session::learns_state_first`). The ParameterStatus messages before it are held for
+    /// the client's next ReadyForQuery, where PostgreSQL would have sent them.
+    StateSync,
 }
 
 /// What to do once a check that ran in its own Sync is answered.

@@ -36,7 +36,15 @@ impl Session {
             Backend::NotificationResponse => self.forward_notification(frame),
             Backend::ParameterStatus => {
                 self.on_parameter_status(frame)?;
-                self.to_client.extend_from_slice(frame)
+                if self
+                    .replies
+                    .front()
+                    .is_some_and(|p| p.origin == Origin::Injected(Injected::StateSync))
+                {
+                    self.held_status.extend_from_slice(frame);
+                } else {
+                    self.to_client.extend_from_slice(frame);
+                }
             }
             Backend::ParseComplete | Backend::BindComplete | Backend::CloseComplete => {
                 let origin = self.replies.pop().map(|p| p.origin);
@@ -470,6 +478,20 @@ impl Session {
         }
     }
 
+    /// Sends the client a ReadyForQuery of pgfence's making, after the ParameterStatus
+    /// messages held for it.
+    pub(super) fn ready_to_client(&mut self, status: u8) {
+        self.release_held_status();
+        msg::ready_for_query(&mut self.to_client, status);
+    }
+
+    fn release_held_status(&mut self) {
+        if !self.held_status.is_empty() {
+            let held = std::mem::take(&mut self.held_status);
+            self.to_client.extend_from_slice(&held);
+        }
+    }
+
     /// Forwards the CommandComplete held back for the end of an implicit transaction.
     fn release_held_complete(&mut self) {
         if let Some(frame) = self.held_complete.take() {
@@ -581,7 +603,9 @@ impl Session {
             self.release_waiting(answered);
         }
         match answered {
-            Some(Origin::Injected(Injected::ResetHint | Injected::PrepareIdle(_))) => {}
+            Some(Origin::Injected(
+                Injected::ResetHint | Injected::PrepareIdle(_) | Injected::StateSync,
+            )) => {}
             Some(Origin::Injected(Injected::CheckSync(AfterCheck::Release))) => {
                 self.hold = if self.check_failed {
                     Hold::Failed(status)
@@ -595,6 +619,7 @@ impl Session {
                 if let Some(sent) = self.sync_sent.pop_front() {
                     self.shared.metrics.query_latency.observe(sent.elapsed());
                 }
+                self.release_held_status();
                 self.to_client.extend_from_slice(frame);
             }
         }

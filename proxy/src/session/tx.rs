@@ -36,7 +36,10 @@ pub struct TxState {
     /// An Execute since the last Sync ran a statement after which PostgreSQL refuses one
     /// that cannot run in a transaction block "within a pipeline" (its
     /// `XACT_FLAGS_PIPELINING`): any but an empty statement or transaction control, which
-    /// leave the flag as it was. A `VACUUM` behind only those runs, as behind no Execute.
+    /// leave the flag as it was, and none of `COMMIT`, `ROLLBACK`, `PREPARE TRANSACTION`,
+    /// `COMMIT PREPARED` or `ROLLBACK PREPARED` after it (they end the transaction, and the
+    /// next one starts without the flag). A `VACUUM` behind only those runs, as behind no
+    /// Execute.
     pub batch_pipelined: bool,
     /// The last transaction control sent since the last sync point is a `BEGIN`: at the
     /// next Sync nothing commits (see [`TxState::sync_needs_check`]).
@@ -78,17 +81,24 @@ impl TxState {
     /// for what it does to the transaction).
     pub fn on_execute(&mut self, kind: StatementKind) {
         self.batch_has_execute = true;
-        self.batch_pipelined |= !matches!(
-            kind,
+        match kind {
+            // PostgreSQL's `StartTransaction` clears the flag: after one of these succeeds
+            // the next statement runs in a new transaction (if it fails, the server skips
+            // the rest of the batch).
+            StatementKind::Commit
+            | StatementKind::Rollback
+            | StatementKind::PrepareTransaction
+            | StatementKind::FinishPrepared => self.batch_pipelined = false,
             StatementKind::Empty
-                | StatementKind::Begin
-                | StatementKind::Commit
-                | StatementKind::Rollback
-                | StatementKind::PrepareTransaction
-                | StatementKind::Savepoint
-                | StatementKind::RollbackToSavepoint
-                | StatementKind::FinishPrepared
-        );
+            | StatementKind::Begin
+            | StatementKind::Savepoint
+            | StatementKind::RollbackToSavepoint => {}
+            StatementKind::ReadOnly
+            | StatementKind::MayWrite
+            | StatementKind::NonTransactional
+            | StatementKind::Discard
+            | StatementKind::Execute => self.batch_pipelined = true,
+        }
     }
 
     /// A sync point (Sync, Query, FunctionCall) ends the batch's implicit transaction.
@@ -333,6 +343,35 @@ mod tests {
             tx.on_execute(kind);
             tx.on_execute(StatementKind::Empty);
             assert!(tx.batch_pipelined, "{kind:?}");
+        }
+    }
+
+    /// A statement behind a `COMMIT` or `ROLLBACK` of its batch runs in a new transaction,
+    /// which PostgreSQL starts without the pipelining flag; a `BEGIN` or a savepoint command
+    /// keeps the transaction, and the flag.
+    #[test]
+    fn ending_the_transaction_ends_the_pipelining() {
+        let mut tx = TxState::new(false);
+        for end in [
+            StatementKind::Commit,
+            StatementKind::Rollback,
+            StatementKind::PrepareTransaction,
+            StatementKind::FinishPrepared,
+        ] {
+            tx.on_execute(StatementKind::MayWrite);
+            assert!(tx.batch_pipelined);
+            tx.on_execute(end);
+            assert!(tx.batch_has_execute && !tx.batch_pipelined, "{end:?}");
+        }
+        for keep in [
+            StatementKind::Begin,
+            StatementKind::Savepoint,
+            StatementKind::RollbackToSavepoint,
+            StatementKind::Empty,
+        ] {
+            tx.on_execute(StatementKind::ReadOnly);
+            tx.on_execute(keep);
+            assert!(tx.batch_pipelined, "{keep:?}");
         }
     }
 }
