@@ -330,6 +330,34 @@ fn main_steps(abs_oid: u32) -> Vec<Step> {
             Ready(3),
         ),
         step(
+            // Behind an Execute of a read after the ROLLBACK, PostgreSQL refuses it "within a
+            // pipeline"; pgfence, unsure whether a block is open, checks first as an Execute
+            // too (its check appended to the Query made the error "inside a transaction
+            // block").
+            "VACUUM inside a batch, behind an Executed ROLLBACK and an Execute of a read",
+            cat(&[
+                pbe("ROLLBACK", &[]),
+                pbe("SELECT 1", &[]),
+                q("VACUUM d"),
+                wire::sync(),
+            ]),
+            Ready(2),
+        ),
+        step(
+            // In the block a `COMMIT AND CHAIN` opened, the error is "inside a transaction
+            // block", on both.
+            "VACUUM inside a batch, behind an Executed COMMIT AND CHAIN and an Execute of a read",
+            cat(&[
+                pbe("BEGIN", &[]),
+                pbe("COMMIT AND CHAIN", &[]),
+                pbe("SELECT 1", &[]),
+                q("VACUUM d"),
+                wire::sync(),
+                q("ROLLBACK"),
+            ]),
+            Ready(3),
+        ),
+        step(
             // The same behind a Query of the batch that wrote (ending its transaction) and a
             // Parse after it.
             "VACUUM alone inside a batch, behind a Query that wrote and a Parse",

@@ -525,11 +525,17 @@ impl Session {
                     }
                     return Ok(self.hold_until_answered());
                 }
-                None if self.tx.view == View::Idle && self.batch_commits_inside() => {
+                None if self.tx.batch_pipelined && self.batch_commits_inside() => {
                     // Inside a batch, behind an Execute of its transaction that pipelines:
                     // the statement commits what the batch wrote (PostgreSQL refuses one that
-                    // cannot run in a block "within a pipeline" there anyway). Checked first,
-                    // in that transaction, with no Sync (which would end the client's batch).
+                    // cannot run in a block "within a pipeline" there anyway, or, when the
+                    // batch's `COMMIT AND CHAIN` opened one, "inside a transaction block").
+                    // Checked first, in that transaction, with no Sync (which would end the
+                    // client's batch); a check appended to the Query would make it an
+                    // implicit block, and the error the second one.
+                    if self.waits_for_state_inside_batch() {
+                        return Ok(self.hold_until_answered());
+                    }
                     self.tx.add_directives(&analysis.directives);
                     return Ok(self.check_inside_batch_first(true));
                 }
