@@ -437,7 +437,9 @@ impl Session {
     }
 
     fn on_query(&mut self, frame: &[u8]) -> Result<Flow, SessionError> {
-        let sql = msg::query_text(frame).ok_or(SessionError::MalformedClientMessage("Query"))?;
+        let Some(sql) = msg::query_text(frame) else {
+            return Err(SessionError::MalformedClientMessage("Query"));
+        };
         if self.lexing_in_doubt(sql) {
             if !self.replies.ready_tells_state() {
                 return Err(SessionError::QueryLexingInDoubt);
@@ -773,8 +775,9 @@ impl Session {
     }
 
     fn on_parse(&mut self, frame: &[u8]) -> Result<Flow, SessionError> {
-        let (name, sql) =
-            msg::parse_message(frame).ok_or(SessionError::MalformedClientMessage("Parse"))?;
+        let Some((name, sql)) = msg::parse_message(frame) else {
+            return Err(SessionError::MalformedClientMessage("Parse"));
+        };
         if self.lexing_in_doubt(sql) {
             if self.replies.ready_tells_state() {
                 return Ok(self.hold_until_answered());
@@ -832,8 +835,9 @@ impl Session {
     }
 
     fn on_bind(&mut self, frame: &[u8]) -> Result<Flow, SessionError> {
-        let (portal, statement) =
-            msg::bind_names(frame).ok_or(SessionError::MalformedClientMessage("Bind"))?;
+        let Some((portal, statement)) = msg::bind_names(frame) else {
+            return Err(SessionError::MalformedClientMessage("Bind"));
+        };
         let mut prepared = self.statement(statement);
         let doubtful = self
             .replies
@@ -896,8 +900,9 @@ impl Session {
     }
 
     fn on_execute(&mut self, frame: &[u8]) -> Result<Flow, SessionError> {
-        let portal =
-            msg::execute_portal(frame).ok_or(SessionError::MalformedClientMessage("Execute"))?;
+        let Some(portal) = msg::execute_portal(frame) else {
+            return Err(SessionError::MalformedClientMessage("Execute"));
+        };
         let prepared = self.portal(portal);
         if prepared.is_none() && self.replies.portal_closed_in_batch(portal) {
             // Closed earlier in this batch: it runs nothing, and a check before it could
@@ -1003,8 +1008,9 @@ impl Session {
     }
 
     fn on_close(&mut self, frame: &[u8]) -> Result<(), SessionError> {
-        let (kind, name) =
-            msg::target(frame).ok_or(SessionError::MalformedClientMessage("Close"))?;
+        let Some((kind, name)) = msg::target(frame) else {
+            return Err(SessionError::MalformedClientMessage("Close"));
+        };
         // What the name stood for is put back if the server skips the Close (see
         // `refused`).
         let (request, before) = match (kind, name.is_empty()) {
