@@ -38,7 +38,7 @@ use crate::state::Shared;
 
 use self::fence::FenceSettings;
 use self::opening::{connect_upstream, first_reply, read_startup, tell_client, Opening};
-use self::readable::Readable;
+use self::readable::{Readable, Woken};
 use self::replies::Replies;
 use self::tx::TxState;
 
@@ -692,14 +692,13 @@ impl Session {
         let task = std::future::poll_fn(|cx| std::task::Poll::Ready(cx.waker().clone())).await;
         let (server_readable, client_readable) = (Readable::new(&task), Readable::new(&task));
         let mut client_open = true;
-        // `drain` is polled once, here, which registers this task to be woken when it is
-        // cancelled; after that each turn only reads the token's flag (see
-        // [`cancelled_since`]). Polling the future at every turn takes the Notify's lock as
-        // well, for a waker that never changes: this task's.
+        // `drain` is polled only when it woke the task (its mark, see [`Woken`]): polling it,
+        // or asking the token, at every turn takes a lock in tokio's Notify or the token's.
         let drain = stop.drain.cancelled();
         let kill = stop.kill.cancelled();
         tokio::pin!(drain, kill);
-        let mut draining = futures_util::poll!(drain.as_mut()).is_ready();
+        let drain_woken = Woken::new(&task);
+        let mut draining = stop.drain.is_cancelled();
         // Bytes already read from the server (its first reply to the login) and from the
         // client (beyond its startup packet) are processed first.
         if let Err(e) = self.on_server_bytes(&mut sbuf) {
@@ -787,7 +786,7 @@ impl Session {
                     let n = r.map_err(SessionError::ClientIo)?;
                     self.to_client.advance(n);
                 }
-                _ = cancelled_since(&stop.drain), if !draining => {
+                _ = drain_woken.poll(drain.as_mut()), if !draining => {
                     draining = true;
                 }
                 // `kill` comes after `drain`: until then, polling it at every turn (a lock
@@ -1038,18 +1037,6 @@ impl Session {
         }
         self.shared.clients.remove(&self.id);
     }
-}
-
-/// Ready once `token` is cancelled. It registers no waker: the task must already have
-/// polled `token.cancelled()`, which wakes it on cancellation, and keep that future alive.
-fn cancelled_since(token: &CancellationToken) -> impl std::future::Future<Output = ()> + '_ {
-    std::future::poll_fn(move |_| {
-        if token.is_cancelled() {
-            std::task::Poll::Ready(())
-        } else {
-            std::task::Poll::Pending
-        }
-    })
 }
 
 /// Runs `f` when dropped.

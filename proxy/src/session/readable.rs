@@ -1,11 +1,13 @@
-//! Which of a session's sockets may have something to read.
+//! Which of a session's sockets may have something to read, and whether its drain notice
+//! came.
 //!
 //! The forwarding loop waits on both of its sockets at once. Polling a socket that has
 //! nothing costs tokio a lock and a waker comparison, and a loop that polled both sockets
 //! at every turn made about nine read polls per round trip, two of which read anything
 //! (callgrind). Each socket gets its own waker instead: tokio keeps it while the socket
 //! has nothing, and it marks its socket readable before it wakes the task, so a turn polls
-//! only the sockets that were marked.
+//! only the sockets that were marked. The drain token gets a mark of its own ([`Woken`]):
+//! asking a `CancellationToken` whether it is cancelled takes its lock, at every turn.
 
 use std::future::Future;
 use std::io;
@@ -78,6 +80,46 @@ impl Readable {
     }
 }
 
+/// A future that resolves once (the session's drain notice), polled only after it woke the
+/// task: a turn where it did not reads one flag.
+pub(super) struct Woken {
+    mark: Arc<Mark>,
+    waker: Waker,
+}
+
+impl Woken {
+    /// A mark for a future of the task whose waker is `task`; set, so that the first turn
+    /// polls the future (which leaves this mark's waker with it).
+    pub(super) fn new(task: &Waker) -> Woken {
+        let mark = Arc::new(Mark {
+            set: AtomicBool::new(true),
+            task: task.clone(),
+        });
+        let waker = Waker::from(mark.clone());
+        Woken { mark, waker }
+    }
+
+    /// Polls `fut` when it woke the task since it was last polled; pending otherwise. `fut`
+    /// must keep the waker it was last polled with, as tokio's `Notified` does.
+    pub(super) fn poll<'a, F: Future + ?Sized>(
+        &'a self,
+        mut fut: Pin<&'a mut F>,
+    ) -> impl Future<Output = F::Output> + 'a {
+        std::future::poll_fn(move |cx| {
+            if !cx.waker().will_wake(&self.mark.task) {
+                return fut.as_mut().poll(cx);
+            }
+            // A plain load first: the mark is rarely set, and the swap is a locked operation.
+            if !self.mark.set.load(Ordering::Relaxed)
+                || !self.mark.set.swap(false, Ordering::Acquire)
+            {
+                return Poll::Pending;
+            }
+            fut.as_mut().poll(&mut Context::from_waker(&self.waker))
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -128,6 +170,68 @@ mod tests {
             );
         }
         assert_eq!(abuf.len() + bbuf.len(), 20);
+    }
+
+    /// A future is polled at the first turn and then only after it woke the task; the
+    /// drain token's notice gets through.
+    #[tokio::test(flavor = "current_thread")]
+    async fn polls_a_future_only_after_it_woke_the_task() {
+        struct Counted<'a> {
+            polls: &'a std::cell::Cell<u32>,
+            waker: &'a std::cell::RefCell<Option<Waker>>,
+            ready: &'a std::cell::Cell<bool>,
+        }
+        impl Future for Counted<'_> {
+            type Output = ();
+            fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+                self.polls.set(self.polls.get() + 1);
+                if self.ready.get() {
+                    return Poll::Ready(());
+                }
+                *self.waker.borrow_mut() = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        }
+        let (polls, waker, ready) = Default::default();
+        let mut fut = std::pin::pin!(Counted {
+            polls: &polls,
+            waker: &waker,
+            ready: &ready,
+        });
+        let task = std::future::poll_fn(|cx| Poll::Ready(cx.waker().clone())).await;
+        let woken = Woken::new(&task);
+        // One turn of a loop: poll once, with this task's waker.
+        macro_rules! turn {
+            () => {{
+                let mut polled = std::pin::pin!(woken.poll(fut.as_mut()));
+                std::future::poll_fn(|cx| {
+                    Poll::Ready(polled.as_mut().poll(cx)).map(|p| p.is_ready())
+                })
+                .await
+            }};
+        }
+        assert!(!turn!());
+        assert_eq!(polls.get(), 1, "the first turn polls it");
+        assert!(!turn!());
+        assert!(!turn!());
+        assert_eq!(polls.get(), 1, "not woken: not polled");
+        ready.set(true);
+        waker.borrow_mut().take().expect("it kept a waker").wake();
+        assert!(turn!());
+        assert_eq!(polls.get(), 2);
+
+        let token = tokio_util::sync::CancellationToken::new();
+        let drain = token.cancelled();
+        tokio::pin!(drain);
+        let woken = Woken::new(&task);
+        let canceller = async {
+            tokio::task::yield_now().await;
+            token.cancel();
+        };
+        let waited = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+            tokio::join!(woken.poll(drain.as_mut()), canceller)
+        });
+        waited.await.expect("the drain notice never woke the task");
     }
 
     /// A read polled by another task than the mark's falls back to an ordinary poll.
