@@ -38,7 +38,7 @@ use crate::state::Shared;
 
 use self::fence::FenceSettings;
 use self::opening::{connect_upstream, first_reply, read_startup, tell_client, Opening};
-use self::readable::{Readable, Woken};
+use self::readable::Marked;
 use self::replies::Replies;
 use self::tx::TxState;
 
@@ -690,14 +690,14 @@ impl Session {
         let (mut sr, mut sw) = server.split();
         let server_tls = matches!(sw, crate::net::WriteHalf::Tls(..));
         let task = std::future::poll_fn(|cx| std::task::Poll::Ready(cx.waker().clone())).await;
-        let (server_readable, client_readable) = (Readable::new(&task), Readable::new(&task));
+        let (server_readable, client_readable) = (Marked::new(&task), Marked::new(&task));
         let mut client_open = true;
-        // `drain` is polled only when it woke the task (its mark, see [`Woken`]): polling it,
+        // `drain` is polled only when it woke the task (its mark, see [`Marked`]): polling it,
         // or asking the token, at every turn takes a lock in tokio's Notify or the token's.
         let drain = stop.drain.cancelled();
         let kill = stop.kill.cancelled();
         tokio::pin!(drain, kill);
-        let drain_woken = Woken::new(&task);
+        let drain_woken = Marked::new(&task);
         let mut draining = stop.drain.is_cancelled();
         // Bytes already read from the server (its first reply to the login) and from the
         // client (beyond its startup packet) are processed first.

@@ -6,8 +6,8 @@
 //! at every turn made about nine read polls per round trip, two of which read anything
 //! (callgrind). Each socket gets its own waker instead: tokio keeps it while the socket
 //! has nothing, and it marks its socket readable before it wakes the task, so a turn polls
-//! only the sockets that were marked. The drain token gets a mark of its own ([`Woken`]):
-//! asking a `CancellationToken` whether it is cancelled takes its lock, at every turn.
+//! only the sockets that were marked. The drain token's notice gets a mark too: asking a
+//! `CancellationToken` whether it is cancelled takes its lock, at every turn.
 
 use std::future::Future;
 use std::io;
@@ -19,15 +19,16 @@ use std::task::{Context, Poll, Wake, Waker};
 use bytes::BytesMut;
 use tokio::io::AsyncRead;
 
-/// One socket's mark and the waker tokio keeps for it.
-pub(super) struct Readable {
+/// One socket's mark, or one future's, and the waker tokio keeps for it.
+pub(super) struct Marked {
     mark: Arc<Mark>,
     waker: Waker,
 }
 
 struct Mark {
-    /// The socket may have something: poll it. Cleared only right before a poll, which
-    /// either finds data (and sets it again) or leaves this waker with tokio.
+    /// The socket may have something, or the future may be ready: poll it. Cleared only
+    /// right before a poll, which either finds data (and sets it again) or leaves this
+    /// waker with tokio.
     set: AtomicBool,
     task: Waker,
 }
@@ -43,16 +44,16 @@ impl Wake for Mark {
     }
 }
 
-impl Readable {
-    /// A mark for one socket of the task whose waker is `task`; set, so that the first turn
-    /// polls the socket.
-    pub(super) fn new(task: &Waker) -> Readable {
+impl Marked {
+    /// A mark for one socket or future of the task whose waker is `task`; set, so that the
+    /// first turn polls it (which leaves this mark's waker with tokio).
+    pub(super) fn new(task: &Waker) -> Marked {
         let mark = Arc::new(Mark {
             set: AtomicBool::new(true),
             task: task.clone(),
         });
         let waker = Waker::from(mark.clone());
-        Readable { mark, waker }
+        Marked { mark, waker }
     }
 
     /// Reads from `socket` into `buf` when it was marked readable; pending otherwise.
@@ -77,26 +78,6 @@ impl Readable {
             }
             polled
         })
-    }
-}
-
-/// A future that resolves once (the session's drain notice), polled only after it woke the
-/// task: a turn where it did not reads one flag.
-pub(super) struct Woken {
-    mark: Arc<Mark>,
-    waker: Waker,
-}
-
-impl Woken {
-    /// A mark for a future of the task whose waker is `task`; set, so that the first turn
-    /// polls the future (which leaves this mark's waker with it).
-    pub(super) fn new(task: &Waker) -> Woken {
-        let mark = Arc::new(Mark {
-            set: AtomicBool::new(true),
-            task: task.clone(),
-        });
-        let waker = Waker::from(mark.clone());
-        Woken { mark, waker }
     }
 
     /// Polls `fut` when it woke the task since it was last polled; pending otherwise. `fut`
@@ -140,7 +121,7 @@ mod tests {
         let (mut a_far, mut a) = pair().await;
         let (mut b_far, mut b) = pair().await;
         let task = std::future::poll_fn(|cx| Poll::Ready(cx.waker().clone())).await;
-        let (ra, rb) = (Readable::new(&task), Readable::new(&task));
+        let (ra, rb) = (Marked::new(&task), Marked::new(&task));
         let (mut abuf, mut bbuf) = (BytesMut::with_capacity(64), BytesMut::with_capacity(64));
         // A lost wake-up would hang the test: it fails on time instead.
         let limit = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
@@ -199,7 +180,7 @@ mod tests {
             ready: &ready,
         });
         let task = std::future::poll_fn(|cx| Poll::Ready(cx.waker().clone())).await;
-        let woken = Woken::new(&task);
+        let woken = Marked::new(&task);
         // One turn of a loop: poll once, with this task's waker.
         macro_rules! turn {
             () => {{
@@ -223,7 +204,7 @@ mod tests {
         let token = tokio_util::sync::CancellationToken::new();
         let drain = token.cancelled();
         tokio::pin!(drain);
-        let woken = Woken::new(&task);
+        let woken = Marked::new(&task);
         let canceller = async {
             tokio::task::yield_now().await;
             token.cancel();
@@ -239,7 +220,7 @@ mod tests {
     async fn another_task_reads_as_usual() {
         let (mut far, mut near) = pair().await;
         let other = Waker::noop().clone();
-        let readable = Readable::new(&other);
+        let readable = Marked::new(&other);
         readable.mark.set.store(false, Ordering::Relaxed);
         far.write_all(b"x").await.unwrap();
         let mut buf = BytesMut::with_capacity(8);
