@@ -4,14 +4,19 @@
 //! loop that reads both sides and writes both sides without ever blocking one direction on
 //! the other. [`opening`] reads the startup packet and connects upstream, [`login`] relays
 //! authentication (and serves the admin console). Client messages are inspected in
-//! [`client`], server replies in [`server`];
+//! [`client`] (the simple protocol's Query in [`query`], the extended protocol's in
+//! [`extended`]), server replies in [`server`]; [`fence`] builds pgfence's checks;
 //! [`replies`] keeps the queue of replies the server still owes and [`tx`] what pgfence knows
-//! of the server-side transaction.
+//! of the server-side transaction; [`kept`] hands a clean server connection to the next
+//! client.
 
 mod client;
+mod extended;
 mod fence;
+mod kept;
 mod login;
 mod opening;
+mod query;
 mod readable;
 pub mod replies;
 mod server;
@@ -24,20 +29,20 @@ use std::time::Instant;
 use bytes::{Buf, BytesMut};
 use fence_core::classify::Analysis;
 use pgfence_config::Config;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, debug_span, info, warn, Instrument};
 
 use crate::cancel;
 use crate::error::SessionError;
 use crate::net::{ClientAddr, Stream, UpstreamAddr};
-use crate::pool::{LoginReply, Parked, PoolKey, ServerInfo};
+use crate::pool::{LoginReply, PoolKey};
 use crate::protocol::next_frame;
 use crate::protocol::startup::Startup;
 use crate::state::Shared;
 
 use self::fence::FenceSettings;
-use self::opening::{connect_upstream, first_reply, read_startup, tell_client, Opening};
+use self::opening::{accept, connect_upstream, first_reply, tell_client, Accepted};
 use self::readable::Marked;
 use self::replies::Replies;
 use self::tx::TxState;
@@ -62,7 +67,7 @@ pub(crate) struct Prepared {
     /// `COPY ... FROM STDIN`: executing it puts the server in copy-in mode.
     pub copy_in: bool,
     /// It is a SQL `PREPARE`: executing it replaces a prepared statement.
-    pub prepares: client::PreparedInSql,
+    pub prepares: extended::PreparedInSql,
     /// It runs transaction control (`Analysis::tx_control`): only then may its Parse, Bind
     /// or Execute wait for the replies in flight (see `Session::waits_for_replies`).
     pub tx_control: bool,
@@ -279,7 +284,7 @@ pub(crate) async fn serve(client: Stream, peer: ClientAddr, shared: Arc<Shared>,
 }
 
 async fn run_session(
-    mut client: Stream,
+    client: Stream,
     peer: ClientAddr,
     id: u64,
     shared: &Arc<Shared>,
@@ -290,99 +295,17 @@ async fn run_session(
         let _ = tcp.set_nodelay(true);
     }
     let mut cbuf = BytesMut::with_capacity(READ_CHUNK);
-    let startup_until = Instant::now() + config.limits.startup_timeout;
-    let tls_config = match &client {
-        Stream::Tcp(_) => shared.client_tls(),
-        _ => None,
+    let Some(Accepted {
+        mut client,
+        startup,
+        packet_len,
+        tls,
+        client_cn,
+        admin,
+    }) = accept(client, &mut cbuf, &peer, shared, &config, stop).await?
+    else {
+        return Ok(());
     };
-    let mut tls = None;
-    let mut client_cn = None;
-    let startup = loop {
-        // The TLS handshake and the startup packet share the startup timeout.
-        let left = startup_until.saturating_duration_since(Instant::now());
-        let opening = tokio::select! {
-            r = crate::deadline::timeout(left, read_startup(&mut client, &mut cbuf, tls.is_none() && tls_config.is_some())) => match r {
-                Ok(r) => r,
-                Err(_) => Err(SessionError::StartupTimeout(config.limits.startup_timeout)),
-            },
-            _ = stop.drain.cancelled() => Err(SessionError::Shutdown),
-        };
-        let (Ok(Opening::Tls { direct }), Some(tls_config)) = (&opening, &tls_config) else {
-            break opening;
-        };
-        // Direct: the ClientHello read so far goes to the handshake.
-        let hello = direct.then(|| cbuf.split().freeze());
-        let left = startup_until.saturating_duration_since(Instant::now());
-        let handshake = tokio::select! {
-            r = crate::deadline::timeout(left, client.accept_tls(tls_config.clone(), hello)) => r,
-            _ = stop.drain.cancelled() => return Err(SessionError::Shutdown),
-        };
-        // A client that fails its handshake cannot read a plaintext error: it is closed.
-        client = match handshake {
-            Ok(Ok(s)) => s,
-            Ok(Err(e)) => {
-                // Worth a line: a certificate the client does not trust fails here.
-                info!(client = %peer, error = %e, "TLS handshake with the client failed");
-                return Err(SessionError::TlsHandshake(e));
-            }
-            Err(_) => return Err(SessionError::StartupTimeout(config.limits.startup_timeout)),
-        };
-        tls = client.tls();
-        client_cn = client.tls_peer_common_name();
-        debug!(
-            tls = tls.as_deref(),
-            certificate_cn = client_cn.as_deref(),
-            "TLS established"
-        );
-    };
-    let (startup, packet_len) = match startup {
-        Ok(Opening::Startup(s, n)) => (s, n),
-        // `Tls` only comes when offered, and the loop above answered it.
-        Ok(Opening::Closed | Opening::Tls { .. }) => return Ok(()),
-        Ok(Opening::Cancel { pid, key }) => {
-            match shared.cancel.lookup(pid, key) {
-                Some(target) => {
-                    debug!(
-                        backend_pid = target.pid,
-                        tls = target.tls.is_some(),
-                        "forwarding cancel request"
-                    );
-                    let limit = config.limits.connect_timeout;
-                    if let Err(e) = cancel::forward(target, limit).await {
-                        warn!(error = %e, client = %peer, "cannot forward cancel request to upstream");
-                    }
-                }
-                None => debug!("cancel request with an unknown key ignored"),
-            }
-            return Ok(());
-        }
-        Err(e) => return tell_client(&mut client, e).await,
-    };
-    let tls_mode = config.client_tls.sslmode;
-    if tls.is_none() && tls_mode.requires_tls() && matches!(peer, ClientAddr::Tcp(_)) {
-        return tell_client(&mut client, SessionError::TlsRequired(tls_mode)).await;
-    }
-    if tls.is_some() && tls_mode == pgfence_config::ClientSslMode::VerifyFull {
-        // The handshake checked the chain (verify-ca); verify-full also binds the
-        // certificate to the user, as PostgreSQL's clientcert=verify-full.
-        let cn = client_cn.clone().unwrap_or_default();
-        if cn != startup.user() {
-            let user = startup.user();
-            info!(client = %peer, %user, certificate_cn = %cn, "client certificate is not for the user");
-            return tell_client(
-                &mut client,
-                SessionError::CertificateUserMismatch { user, cn },
-            )
-            .await;
-        }
-    }
-    if let Some(limit) = shared.too_many_clients(&config) {
-        return tell_client(&mut client, SessionError::TooManyClients(limit)).await;
-    }
-    let admin = startup.database() == crate::admin::DATABASE;
-    if admin && !config.admin.users.contains(&startup.user()) {
-        return tell_client(&mut client, SessionError::NotAdmin(startup.user())).await;
-    }
     let upstream_name = config.upstream.to_string();
     let replication = startup.replication();
     if replication && !admin {
@@ -907,127 +830,6 @@ impl Session {
             self.flushed = Flushed::No;
         }
         Ok(())
-    }
-
-    /// Logs a client in on a kept server connection: the client gets the login reply the
-    /// server gave, with pgfence's own cancel key for it, as if the server had just sent it.
-    fn replay_login(&mut self, login: LoginReply) -> Result<(), SessionError> {
-        use crate::protocol::message::write_message;
-        let mut frame = BytesMut::new();
-        write_message(&mut frame, b'R', |o| bytes::BufMut::put_i32(o, 0));
-        self.on_auth_server_frame(b'R', &frame)?;
-        for (_, param) in &login.params {
-            self.on_auth_server_frame(b'S', param)?;
-        }
-        self.on_auth_server_frame(b'K', &login.backend_key)?;
-        frame.clear();
-        crate::protocol::message::ready_for_query(&mut frame, b'I');
-        self.on_auth_server_frame(b'Z', &frame)?;
-        Ok(())
-    }
-
-    /// Whether the server session is idle and clean enough to be reset and kept.
-    fn poolable(&self) -> bool {
-        self.phase == Phase::Ready
-            && self.reusable_login
-            && !self.client_left_mid_message
-            && self.server_fatal.is_none()
-            && self.tx.view == tx::View::Idle
-            && self.replies.is_empty()
-            && self.hold == Hold::None
-            && self.copy_in == CopyIn::None
-            && self.commit_check == CommitCheck::None
-            && self.held_complete.is_none()
-            && self.discard_until_sync.is_none()
-            && self.to_server.is_empty()
-            && !self.login.backend_key.is_empty()
-    }
-
-    /// After the client left: keeps the server connection for the next client when it can
-    /// be reset, else ends the server session with Terminate.
-    async fn release(&mut self, mut server: Stream, born: Instant, key: Option<PoolKey>) {
-        if let Some(key) = key.filter(|_| self.poolable()) {
-            // A cancel still on its way could hit the reset, or the next client's statement.
-            let cancels = self.cancels.clone();
-            let reset = async {
-                cancels.settled().await;
-                self.reset(&mut server).await
-            };
-            match crate::deadline::timeout(RESET_TIMEOUT, reset).await {
-                Ok(Ok(())) => {
-                    let tls = server.tls();
-                    if let Ok(stream) = server.into_std() {
-                        let login = std::mem::take(&mut self.login);
-                        let info = ServerInfo {
-                            user: self.user.clone(),
-                            database: self.database.clone(),
-                            application_name: self.application_name.clone(),
-                            backend_pid: self.backend_pid,
-                            tls,
-                        };
-                        let config = self.shared.config();
-                        self.shared.pool.put(
-                            key,
-                            Parked::new(stream, login, info, born),
-                            &config.pool,
-                        );
-                    }
-                    return;
-                }
-                Ok(Err(e)) => debug!(error = %e, "server reset failed: closing the connection"),
-                Err(_) => debug!("server reset timed out: closing the connection"),
-            }
-        }
-        let terminate = &crate::protocol::message::TERMINATE;
-        // Shutting the stream down sends TLS's close_notify after the Terminate.
-        let goodbye = async {
-            server.write_all(terminate).await?;
-            server.shutdown().await
-        };
-        let _ = crate::deadline::timeout(FAIL_WRITE_TIMEOUT, goodbye).await;
-    }
-
-    /// `DISCARD ALL` (PgBouncer's `server_reset_query`): drops what the session left
-    /// behind (settings, prepared statements, temporary tables, LISTEN, session advisory
-    /// locks) and records the parameters it reports back.
-    async fn reset(&mut self, server: &mut Stream) -> Result<(), SessionError> {
-        let mut out = BytesMut::new();
-        crate::protocol::message::query(&mut out, b"DISCARD ALL");
-        server
-            .write_all(&out)
-            .await
-            .map_err(SessionError::ServerIo)?;
-        server.flush().await.map_err(SessionError::ServerIo)?;
-        let mut buf = BytesMut::with_capacity(1024);
-        loop {
-            while let Some((tag, len)) =
-                next_frame(&buf, SERVER_MAX_MESSAGE).map_err(SessionError::ServerFrame)?
-            {
-                let frame = buf.split_to(len);
-                match tag {
-                    b'S' => self.on_parameter_status(&frame)?,
-                    b'C' | b'N' => {}
-                    b'Z' if crate::protocol::message::ready_status(&frame) == b'I' => {
-                        return if buf.is_empty() {
-                            Ok(())
-                        } else {
-                            Err(SessionError::UnexpectedServerMessage(buf[0] as char))
-                        };
-                    }
-                    _ => return Err(SessionError::UnexpectedServerMessage(tag as char)),
-                }
-            }
-            if server
-                .read_buf(&mut buf)
-                .await
-                .map_err(SessionError::ServerIo)?
-                == 0
-            {
-                return Err(SessionError::ServerIo(
-                    std::io::ErrorKind::UnexpectedEof.into(),
-                ));
-            }
-        }
     }
 
     /// Cleans up shared state when the session ends.

@@ -2,18 +2,22 @@
 //! encryption declined, cancel requests served), the connection to the upstream server, and the FATAL error a
 //! client gets when its session cannot start.
 
+use std::time::Instant;
+
 use bytes::{Buf, BytesMut};
 use pgfence_config::Config;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tracing::{debug, info, warn};
 
+use crate::cancel;
 use crate::error::SessionError;
-use crate::net::Stream;
+use crate::net::{ClientAddr, Stream};
 use crate::protocol::message::error_fields;
 use crate::protocol::next_frame;
 use crate::protocol::startup::{next_startup, Startup, StartupPacket};
 use crate::state::Shared;
 
-use super::{READ_CHUNK, SERVER_MAX_MESSAGE};
+use super::{Stop, READ_CHUNK, SERVER_MAX_MESSAGE};
 
 /// How long a login refused for lack of connection slots is tried again, after pgfence
 /// closed kept connections to free some (their backends give the slots back as they exit).
@@ -21,6 +25,144 @@ const SLOTS_RETRY_FOR: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Pause between two such tries (at the resolution of [`crate::deadline`]).
 const SLOTS_RETRY_EVERY: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// A client whose startup packet pgfence read and accepted: what its session starts from.
+pub(super) struct Accepted {
+    /// The connection, over TLS if the client asked for it.
+    pub client: Stream,
+    pub startup: Startup,
+    /// The startup packet's length at the front of the read buffer.
+    pub packet_len: usize,
+    /// The client's TLS protocol and cipher suite, if it uses TLS.
+    pub tls: Option<String>,
+    /// The common name of the client's certificate, if it sent one.
+    pub client_cn: Option<String>,
+    /// It asked for the admin console (virtual database `pgfence`), and may use it.
+    pub admin: bool,
+}
+
+/// Opens a client's session: the TLS handshake when the client asks for it and pgfence
+/// offers it, then the startup packet, within `limits.startup_timeout`. A cancel request is
+/// served here; a client that may not log in (TLS required, a certificate for another
+/// user, too many clients, not an admin) gets its FATAL error. `Ok(None)`: the connection
+/// ended here without an error of the session's.
+pub(super) async fn accept(
+    mut client: Stream,
+    cbuf: &mut BytesMut,
+    peer: &ClientAddr,
+    shared: &Shared,
+    config: &Config,
+    stop: &Stop,
+) -> Result<Option<Accepted>, SessionError> {
+    let startup_until = Instant::now() + config.limits.startup_timeout;
+    let tls_config = match &client {
+        Stream::Tcp(_) => shared.client_tls(),
+        _ => None,
+    };
+    let mut tls = None;
+    let mut client_cn = None;
+    let startup = loop {
+        // The TLS handshake and the startup packet share the startup timeout.
+        let left = startup_until.saturating_duration_since(Instant::now());
+        let opening = tokio::select! {
+            r = crate::deadline::timeout(left, read_startup(&mut client, cbuf, tls.is_none() && tls_config.is_some())) => match r {
+                Ok(r) => r,
+                Err(_) => Err(SessionError::StartupTimeout(config.limits.startup_timeout)),
+            },
+            _ = stop.drain.cancelled() => Err(SessionError::Shutdown),
+        };
+        let (Ok(Opening::Tls { direct }), Some(tls_config)) = (&opening, &tls_config) else {
+            break opening;
+        };
+        // Direct: the ClientHello read so far goes to the handshake.
+        let hello = direct.then(|| cbuf.split().freeze());
+        let left = startup_until.saturating_duration_since(Instant::now());
+        let handshake = tokio::select! {
+            r = crate::deadline::timeout(left, client.accept_tls(tls_config.clone(), hello)) => r,
+            _ = stop.drain.cancelled() => return Err(SessionError::Shutdown),
+        };
+        // A client that fails its handshake cannot read a plaintext error: it is closed.
+        client = match handshake {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
+                // Worth a line: a certificate the client does not trust fails here.
+                info!(client = %peer, error = %e, "TLS handshake with the client failed");
+                return Err(SessionError::TlsHandshake(e));
+            }
+            Err(_) => return Err(SessionError::StartupTimeout(config.limits.startup_timeout)),
+        };
+        tls = client.tls();
+        client_cn = client.tls_peer_common_name();
+        debug!(
+            tls = tls.as_deref(),
+            certificate_cn = client_cn.as_deref(),
+            "TLS established"
+        );
+    };
+    let (startup, packet_len) = match startup {
+        Ok(Opening::Startup(s, n)) => (s, n),
+        // `Tls` only comes when offered, and the loop above answered it.
+        Ok(Opening::Closed | Opening::Tls { .. }) => return Ok(None),
+        Ok(Opening::Cancel { pid, key }) => {
+            match shared.cancel.lookup(pid, key) {
+                Some(target) => {
+                    debug!(
+                        backend_pid = target.pid,
+                        tls = target.tls.is_some(),
+                        "forwarding cancel request"
+                    );
+                    let limit = config.limits.connect_timeout;
+                    if let Err(e) = cancel::forward(target, limit).await {
+                        warn!(error = %e, client = %peer, "cannot forward cancel request to upstream");
+                    }
+                }
+                None => debug!("cancel request with an unknown key ignored"),
+            }
+            return Ok(None);
+        }
+        Err(e) => return tell_client(&mut client, e).await.map(|()| None),
+    };
+    let tls_mode = config.client_tls.sslmode;
+    if tls.is_none() && tls_mode.requires_tls() && matches!(peer, ClientAddr::Tcp(_)) {
+        return tell_client(&mut client, SessionError::TlsRequired(tls_mode))
+            .await
+            .map(|()| None);
+    }
+    if tls.is_some() && tls_mode == pgfence_config::ClientSslMode::VerifyFull {
+        // The handshake checked the chain (verify-ca); verify-full also binds the
+        // certificate to the user, as PostgreSQL's clientcert=verify-full.
+        let cn = client_cn.clone().unwrap_or_default();
+        if cn != startup.user() {
+            let user = startup.user();
+            info!(client = %peer, %user, certificate_cn = %cn, "client certificate is not for the user");
+            return tell_client(
+                &mut client,
+                SessionError::CertificateUserMismatch { user, cn },
+            )
+            .await
+            .map(|()| None);
+        }
+    }
+    if let Some(limit) = shared.too_many_clients(config) {
+        return tell_client(&mut client, SessionError::TooManyClients(limit))
+            .await
+            .map(|()| None);
+    }
+    let admin = startup.database() == crate::admin::DATABASE;
+    if admin && !config.admin.users.contains(&startup.user()) {
+        return tell_client(&mut client, SessionError::NotAdmin(startup.user()))
+            .await
+            .map(|()| None);
+    }
+    Ok(Some(Accepted {
+        client,
+        startup,
+        packet_len,
+        tls,
+        client_cn,
+        admin,
+    }))
+}
 
 /// Sends a FATAL error to a client whose session cannot start, then closes.
 pub(super) async fn tell_client(client: &mut Stream, e: SessionError) -> Result<(), SessionError> {

@@ -1,0 +1,420 @@
+//! The extended protocol's Parse, Bind, Execute and Close: what each statement and portal
+//! name stands for (so that an Execute knows what it runs), and the check placed before
+//! an Execute that commits.
+
+use std::sync::Arc;
+
+use fence_core::classify::StatementKind;
+use fence_core::lexer::{LexOptions, Lexer, TokKind};
+
+use crate::error::SessionError;
+use crate::protocol::message as msg;
+
+use super::query::is_copy_from_stdin;
+use super::replies::{AfterCheck, Request};
+use super::tx::View;
+use super::{CommitCheck, CopyIn, Flow, Hold, Prepared, Remembered, Session};
+
+/// The prepared statement a SQL `PREPARE name AS ...` replaces.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum PreparedInSql {
+    /// Not a `PREPARE` (or a malformed one).
+    No,
+    Name(Box<[u8]>),
+    /// A name pgfence does not spell as the server would (`U&"..."`, too long to compare,
+    /// bytes the server may fold): any name.
+    Unknown,
+}
+
+/// The name a SQL `PREPARE name ...` statement (`sql`, see
+/// `fence_core::classify::Statement::prepares_in_sql`) prepares. The proxy forgets what it
+/// knew of that name: the server's statement of it is now the one prepared in SQL, or after
+/// a `PREPARE` that failed (the name in use) the one it had. (A statement that `DEALLOCATE`
+/// or `DISCARD ALL` drops changes nothing pgfence relies on: a name it still knows is only
+/// ever run again after a `PREPARE`, or after a Parse it sees.)
+pub(super) fn prepared_in_sql(sql: &[u8], options: LexOptions) -> PreparedInSql {
+    let Some(name) = Lexer::with_options(sql, options)
+        .filter(|t| !matches!(t.kind, TokKind::Comment { .. }))
+        .nth(1)
+    else {
+        return PreparedInSql::No; // a syntax error
+    };
+    let text = name.text(sql);
+    let spelled: Option<Vec<u8>> = match name.kind {
+        // Folded to lower case; PostgreSQL may fold bytes >= 0x80 too, in single-byte
+        // encodings.
+        TokKind::Ident if text.is_ascii() => Some(text.to_ascii_lowercase()),
+        TokKind::QuotedIdent => text
+            .strip_prefix(b"\"")
+            .and_then(|t| t.strip_suffix(b"\""))
+            .map(|inner| {
+                let mut unquoted = Vec::with_capacity(inner.len());
+                let mut doubled = false;
+                for &b in inner {
+                    doubled = b == b'"' && !doubled;
+                    if !doubled {
+                        unquoted.push(b);
+                    }
+                }
+                unquoted
+            }),
+        _ => None,
+    };
+    // PostgreSQL compares names by their first NAMEDATALEN - 1 (63) bytes.
+    match spelled {
+        Some(n) if !n.is_empty() && n.len() < 63 => PreparedInSql::Name(n.into()),
+        _ => PreparedInSql::Unknown,
+    }
+}
+
+impl Session {
+    /// Forwards a Parse or Bind of statement or portal `name`, which stood for `before` (see
+    /// `Pending::name`).
+    fn forward_named(
+        &mut self,
+        frame: &[u8],
+        request: Request,
+        name: &[u8],
+        before: Option<Arc<Prepared>>,
+    ) {
+        self.to_server.extend_from_slice(frame);
+        self.replies.push_named(request, name, before);
+    }
+
+    pub(super) fn prepared(&mut self, sql: &[u8]) -> Arc<Prepared> {
+        let analysis = self.analyze(sql);
+        Arc::new(Prepared {
+            sql: sql.into(),
+            copy_in: is_copy_from_stdin(sql, self.lex),
+            prepares: if analysis.prepares_in_sql {
+                prepared_in_sql(sql, self.lex)
+            } else {
+                PreparedInSql::No
+            },
+            tx_control: analysis.tx_control(),
+            analysis,
+        })
+    }
+
+    /// A SQL `PREPARE` of this name went upstream (see [`prepared_in_sql`]): pgfence no
+    /// longer knows what the name runs.
+    pub(super) fn forget_prepared_in_sql(&mut self, prepared: &PreparedInSql) {
+        match prepared {
+            PreparedInSql::No => {}
+            PreparedInSql::Name(name) => {
+                self.statements.remove(name);
+                self.names_forgotten = true;
+            }
+            PreparedInSql::Unknown => {
+                self.statements.clear();
+                self.names_forgotten = true;
+            }
+        }
+    }
+
+    /// Whether a statement pgfence knew as `old` (`None`: none) runs as `new` does, as far as
+    /// the fence cares: the same kinds of statements, with the same fencing comments.
+    fn same_for_the_fence(&self, old: Option<&Arc<Prepared>>, new: Option<&Arc<Prepared>>) -> bool {
+        match (old, new) {
+            (Some(old), Some(new)) => {
+                fn kinds(p: &Prepared) -> impl Iterator<Item = StatementKind> + '_ {
+                    p.analysis.statements.iter().map(|s| s.kind)
+                }
+                old.copy_in == new.copy_in
+                    && old.analysis.directives == new.analysis.directives
+                    && kinds(old).eq(kinds(new))
+            }
+            // Nothing of that name on the server: a refused Parse leaves the Bind failing.
+            (None, _) => !self.names_forgotten,
+            (Some(_), None) => false,
+        }
+    }
+
+    pub(super) fn on_parse(&mut self, frame: &[u8]) -> Result<Flow, SessionError> {
+        let Some((name, sql)) = msg::parse_message(frame) else {
+            return Err(SessionError::MalformedClientMessage("Parse"));
+        };
+        if self.lexing_in_doubt(sql) {
+            if self.replies.ready_tells_state() {
+                return Ok(self.hold_until_answered());
+            }
+            // Behind a statement of its batch: the server would report the setting only at
+            // its Sync. The statement is one pgfence does not know, which may run anything (a
+            // portal of it is checked as if it committed).
+            let before = if name.is_empty() {
+                self.unnamed_statement.take()
+            } else {
+                self.names_forgotten = true;
+                self.statements.remove(name)
+            };
+            self.forward_named(frame, Request::Parse, name, before);
+            return Ok(Flow::Continue);
+        }
+        // Drivers that use the unnamed statement (pgbench -M extended, JDBC, psycopg) parse
+        // the same text again and again: keep its analysis.
+        let same = name.is_empty()
+            && self
+                .unnamed_statement
+                .as_ref()
+                .is_some_and(|p| *p.sql == *sql);
+        let prepared = if same { None } else { Some(self.prepared(sql)) };
+        let waits = match prepared.as_ref().or(self.unnamed_statement.as_ref()) {
+            Some(p) => p.tx_control && self.waits_for_replies(&p.analysis),
+            None => false,
+        };
+        if waits {
+            return Ok(self.hold_until_answered());
+        }
+        let before = match prepared {
+            Some(p) if name.is_empty() => self.unnamed_statement.replace(p),
+            Some(p) => self.statements.insert(name.into(), p),
+            None => self.unnamed_statement.clone(),
+        };
+        self.forward_named(frame, Request::Parse, name, before);
+        Ok(Flow::Continue)
+    }
+
+    fn statement(&self, name: &[u8]) -> Option<Arc<Prepared>> {
+        if name.is_empty() {
+            self.unnamed_statement.clone()
+        } else {
+            self.statements.get(name).cloned()
+        }
+    }
+
+    fn portal(&self, name: &[u8]) -> Option<Arc<Prepared>> {
+        if name.is_empty() {
+            self.unnamed_portal.clone()
+        } else {
+            self.portals.get(name).cloned()
+        }
+    }
+
+    pub(super) fn on_bind(&mut self, frame: &[u8]) -> Result<Flow, SessionError> {
+        let Some((portal, statement)) = msg::bind_names(frame) else {
+            return Err(SessionError::MalformedClientMessage("Bind"));
+        };
+        let mut prepared = self.statement(statement);
+        let doubtful = self
+            .replies
+            .statement_in_doubt(statement)
+            .is_some_and(|mut olds| {
+                !olds.all(|old| self.same_for_the_fence(old, prepared.as_ref()))
+            });
+        if doubtful {
+            // A Parse or Close of the name may yet be refused or skipped, and then this Bind
+            // runs the statement the name had (an error in an earlier batch does not skip
+            // it). Unless all run alike, the Bind waits for the answer when it starts a
+            // batch (or follows only Parses, Binds, Describes and Closes of its own); behind
+            // a statement of its batch the portal is one pgfence does not know.
+            if self.replies.ready_tells_state() {
+                return Ok(self.hold_until_answered());
+            }
+            prepared = None;
+        }
+        let non_transactional = prepared.as_ref().is_some_and(|p| {
+            matches!(&*p.analysis.statements, [only] if only.kind == StatementKind::NonTransactional)
+        });
+        // A Bind held for its precheck comes back here whatever its statement has become
+        // meanwhile (a Parse before it that failed made pgfence forget the name). Nothing is
+        // held for almost every Bind: no write to the hold then.
+        let held = if self.hold == Hold::None {
+            None
+        } else {
+            self.take_hold()
+        };
+        match held {
+            Some(Ok(())) => {}
+            Some(Err(status)) => {
+                self.discard_until_sync = Some(status);
+                return Ok(Flow::Continue);
+            }
+            None if non_transactional && self.precheck_possible() => {
+                if let Some(p) = &prepared {
+                    self.tx.add_directives(&p.analysis.directives);
+                }
+                self.inject_check_with_sync(true, AfterCheck::Release);
+                return Ok(self.hold_until_answered());
+            }
+            None => {}
+        }
+        if prepared
+            .as_ref()
+            .is_some_and(|p| p.tx_control && self.waits_for_replies(&p.analysis))
+        {
+            return Ok(self.hold_until_answered());
+        }
+        let before = if portal.is_empty() {
+            std::mem::replace(&mut self.unnamed_portal, prepared)
+        } else if let Some(p) = prepared {
+            self.portals.insert(portal.into(), p)
+        } else {
+            self.portals.remove(portal)
+        };
+        self.forward_named(frame, Request::Bind, portal, before);
+        Ok(Flow::Continue)
+    }
+
+    pub(super) fn on_execute(&mut self, frame: &[u8]) -> Result<Flow, SessionError> {
+        let Some(portal) = msg::execute_portal(frame) else {
+            return Err(SessionError::MalformedClientMessage("Execute"));
+        };
+        let prepared = self.portal(portal);
+        if prepared.is_none() && self.replies.portal_closed_in_batch(portal) {
+            // Closed earlier in this batch: it runs nothing, and a check before it could
+            // only change the error (25P02 in a failed block, where PostgreSQL says 34000).
+            self.shared.stats.queries.add();
+            self.forward(frame, Request::Execute);
+            return Ok(Flow::Continue);
+        }
+        // A portal pgfence did not see bound may run anything, a COMMIT included: one of a
+        // statement prepared in SQL (maybe over one parsed as COMMIT: see
+        // `prepared_in_sql`), or whose Parse was refused before it (the unnamed one).
+        let kind = match &prepared {
+            Some(p) => p
+                .analysis
+                .statements
+                .first()
+                .map_or(StatementKind::Empty, |s| s.kind),
+            None => StatementKind::Execute,
+        };
+        let waits = match &prepared {
+            Some(p) => p.tx_control && self.waits_for_replies(&p.analysis),
+            None => {
+                self.fence.enabled
+                    && self.tx.placement_depends_on_replies(kind)
+                    && self.replies.ready_tells_state()
+            }
+        };
+        if waits {
+            return Ok(self.hold_until_answered());
+        }
+        self.shared.stats.queries.add();
+        self.tx.on_execute(kind);
+        if let Some(p) = &prepared {
+            if p.analysis.may_write() {
+                self.last_write = Some(Remembered::Prepared(p.clone()));
+            }
+            self.last_sql = Some(Remembered::Prepared(p.clone()));
+        }
+        if let Some(p) = &prepared {
+            self.forget_prepared_in_sql(&p.prepares);
+        }
+        if kind == StatementKind::Discard || prepared.is_none() {
+            // A portal pgfence does not know may run `DISCARD ALL` or `DEALLOCATE ALL` (its
+            // statement's Parse was refused, leaving the server's older one): its next
+            // check prepares its statement again rather than bind one that may be gone.
+            self.fence.dropping_prepared();
+        }
+        if !self.fence.enabled {
+            if matches!(
+                kind,
+                StatementKind::Begin
+                    | StatementKind::Commit
+                    | StatementKind::Rollback
+                    | StatementKind::PrepareTransaction
+                    | StatementKind::Execute
+            ) {
+                self.tx.view = View::Unknown;
+            }
+            self.note_copy_in(prepared.as_deref());
+            self.forward(frame, Request::Execute);
+            return Ok(Flow::Continue);
+        }
+        if let Some(p) = &prepared {
+            if self.fence.fast_path && p.analysis.may_write() {
+                if let Some((resource, token, fence)) = self
+                    .fence
+                    .stale(&p.analysis.directives, &self.shared.fences)
+                {
+                    self.inject_fast_reject_execute(&resource, token, fence);
+                    return Ok(Flow::Continue);
+                }
+            }
+            self.tx.add_directives(&p.analysis.directives);
+        }
+        if matches!(
+            kind,
+            StatementKind::Commit | StatementKind::PrepareTransaction
+        ) && self.tx.commit_needs_check()
+        {
+            self.inject_check(false);
+            self.commit_check = CommitCheck::Sent {
+                found_failed: false,
+            };
+        } else if kind == StatementKind::Execute && self.tx.commit_needs_check() {
+            // Checked as if it committed. Most likely it does not, and the transaction goes
+            // on: the check closes its portal, so that the next check can bind it again.
+            // And if the check fails, the block stays failed, as after a statement that
+            // failed (not ended as after a COMMIT, see `CommitCheck`).
+            self.tx.view = View::Unknown;
+            self.inject_check(false);
+        }
+        self.tx.on_statement(kind);
+        self.note_copy_in(prepared.as_deref());
+        self.forward(frame, Request::Execute);
+        Ok(Flow::Continue)
+    }
+
+    /// The Execute of `prepared` goes upstream now: a `COPY ... FROM STDIN` may start.
+    fn note_copy_in(&mut self, prepared: Option<&Prepared>) {
+        if prepared.is_some_and(|p| p.copy_in) {
+            self.copy_in = CopyIn::Sent;
+        }
+    }
+
+    pub(super) fn on_close(&mut self, frame: &[u8]) -> Result<(), SessionError> {
+        let Some((kind, name)) = msg::target(frame) else {
+            return Err(SessionError::MalformedClientMessage("Close"));
+        };
+        // What the name stood for is put back if the server skips the Close (see
+        // `refused`).
+        let (request, before) = match (kind, name.is_empty()) {
+            (b'S', true) => (Request::CloseStatement, self.unnamed_statement.take()),
+            (b'S', false) => (Request::CloseStatement, self.statements.remove(name)),
+            (b'P', true) => (Request::ClosePortal, self.unnamed_portal.take()),
+            (b'P', false) => (Request::ClosePortal, self.portals.remove(name)),
+            // The server refuses it: nothing changes.
+            _ => (Request::Close, None),
+        };
+        if request == Request::Close {
+            self.forward(frame, request);
+        } else {
+            self.forward_named(frame, request, name, before);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{prepared_in_sql, PreparedInSql};
+
+    #[test]
+    fn names_prepared_in_sql_are_spelled_as_the_server_does() {
+        let prepares = |sql: &str| prepared_in_sql(sql.as_bytes(), Default::default());
+        let name = |n: &str| PreparedInSql::Name(n.as_bytes().into());
+        assert_eq!(prepares("PREPARE q AS SELECT 1"), name("q"));
+        assert_eq!(
+            prepares("prepare Ins (int) AS INSERT INTO t VALUES ($1)"),
+            name("ins")
+        );
+        assert_eq!(prepares("/* c */ PREPARE \"Ins\" AS SELECT 1"), name("Ins"));
+        assert_eq!(
+            prepares("-- c\nPREPARE \"a\"\"b\" AS SELECT 1"),
+            name("a\"b")
+        );
+        assert_eq!(
+            prepares("PREPARE transaction AS SELECT 1"),
+            name("transaction")
+        );
+        assert_eq!(
+            prepares("PREPARE U&\"q\" AS SELECT 1"),
+            PreparedInSql::Unknown
+        );
+        let long = format!("PREPARE {} AS SELECT 1", "q".repeat(63));
+        assert_eq!(prepares(&long), PreparedInSql::Unknown);
+        assert_eq!(prepares("PREPARE \"q"), PreparedInSql::Unknown);
+        assert_eq!(prepares("PREPARE"), PreparedInSql::No);
+    }
+}

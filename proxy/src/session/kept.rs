@@ -1,0 +1,147 @@
+//! A server connection kept for the next client with the same startup packet (PgBouncer's
+//! session pooling): a new client logs in on it by the login reply the server gave, and a
+//! client that leaves it clean has it reset with `DISCARD ALL` and put back in the pool.
+
+use std::time::Instant;
+
+use bytes::BytesMut;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tracing::debug;
+
+use crate::error::SessionError;
+use crate::net::Stream;
+use crate::pool::{LoginReply, Parked, PoolKey, ServerInfo};
+use crate::protocol::next_frame;
+
+use super::{
+    tx, CommitCheck, CopyIn, Hold, Phase, Session, FAIL_WRITE_TIMEOUT, RESET_TIMEOUT,
+    SERVER_MAX_MESSAGE,
+};
+
+impl Session {
+    /// Logs a client in on a kept server connection: the client gets the login reply the
+    /// server gave, with pgfence's own cancel key for it, as if the server had just sent it.
+    pub(super) fn replay_login(&mut self, login: LoginReply) -> Result<(), SessionError> {
+        use crate::protocol::message::write_message;
+        let mut frame = BytesMut::new();
+        write_message(&mut frame, b'R', |o| bytes::BufMut::put_i32(o, 0));
+        self.on_auth_server_frame(b'R', &frame)?;
+        for (_, param) in &login.params {
+            self.on_auth_server_frame(b'S', param)?;
+        }
+        self.on_auth_server_frame(b'K', &login.backend_key)?;
+        frame.clear();
+        crate::protocol::message::ready_for_query(&mut frame, b'I');
+        self.on_auth_server_frame(b'Z', &frame)?;
+        Ok(())
+    }
+
+    /// Whether the server session is idle and clean enough to be reset and kept.
+    fn poolable(&self) -> bool {
+        self.phase == Phase::Ready
+            && self.reusable_login
+            && !self.client_left_mid_message
+            && self.server_fatal.is_none()
+            && self.tx.view == tx::View::Idle
+            && self.replies.is_empty()
+            && self.hold == Hold::None
+            && self.copy_in == CopyIn::None
+            && self.commit_check == CommitCheck::None
+            && self.held_complete.is_none()
+            && self.discard_until_sync.is_none()
+            && self.to_server.is_empty()
+            && !self.login.backend_key.is_empty()
+    }
+
+    /// After the client left: keeps the server connection for the next client when it can
+    /// be reset, else ends the server session with Terminate.
+    pub(super) async fn release(
+        &mut self,
+        mut server: Stream,
+        born: Instant,
+        key: Option<PoolKey>,
+    ) {
+        if let Some(key) = key.filter(|_| self.poolable()) {
+            // A cancel still on its way could hit the reset, or the next client's statement.
+            let cancels = self.cancels.clone();
+            let reset = async {
+                cancels.settled().await;
+                self.reset(&mut server).await
+            };
+            match crate::deadline::timeout(RESET_TIMEOUT, reset).await {
+                Ok(Ok(())) => {
+                    let tls = server.tls();
+                    if let Ok(stream) = server.into_std() {
+                        let login = std::mem::take(&mut self.login);
+                        let info = ServerInfo {
+                            user: self.user.clone(),
+                            database: self.database.clone(),
+                            application_name: self.application_name.clone(),
+                            backend_pid: self.backend_pid,
+                            tls,
+                        };
+                        let config = self.shared.config();
+                        self.shared.pool.put(
+                            key,
+                            Parked::new(stream, login, info, born),
+                            &config.pool,
+                        );
+                    }
+                    return;
+                }
+                Ok(Err(e)) => debug!(error = %e, "server reset failed: closing the connection"),
+                Err(_) => debug!("server reset timed out: closing the connection"),
+            }
+        }
+        let terminate = &crate::protocol::message::TERMINATE;
+        // Shutting the stream down sends TLS's close_notify after the Terminate.
+        let goodbye = async {
+            server.write_all(terminate).await?;
+            server.shutdown().await
+        };
+        let _ = crate::deadline::timeout(FAIL_WRITE_TIMEOUT, goodbye).await;
+    }
+
+    /// `DISCARD ALL` (PgBouncer's `server_reset_query`): drops what the session left
+    /// behind (settings, prepared statements, temporary tables, LISTEN, session advisory
+    /// locks) and records the parameters it reports back.
+    async fn reset(&mut self, server: &mut Stream) -> Result<(), SessionError> {
+        let mut out = BytesMut::new();
+        crate::protocol::message::query(&mut out, b"DISCARD ALL");
+        server
+            .write_all(&out)
+            .await
+            .map_err(SessionError::ServerIo)?;
+        server.flush().await.map_err(SessionError::ServerIo)?;
+        let mut buf = BytesMut::with_capacity(1024);
+        loop {
+            while let Some((tag, len)) =
+                next_frame(&buf, SERVER_MAX_MESSAGE).map_err(SessionError::ServerFrame)?
+            {
+                let frame = buf.split_to(len);
+                match tag {
+                    b'S' => self.on_parameter_status(&frame)?,
+                    b'C' | b'N' => {}
+                    b'Z' if crate::protocol::message::ready_status(&frame) == b'I' => {
+                        return if buf.is_empty() {
+                            Ok(())
+                        } else {
+                            Err(SessionError::UnexpectedServerMessage(buf[0] as char))
+                        };
+                    }
+                    _ => return Err(SessionError::UnexpectedServerMessage(tag as char)),
+                }
+            }
+            if server
+                .read_buf(&mut buf)
+                .await
+                .map_err(SessionError::ServerIo)?
+                == 0
+            {
+                return Err(SessionError::ServerIo(
+                    std::io::ErrorKind::UnexpectedEof.into(),
+                ));
+            }
+        }
+    }
+}

@@ -1,0 +1,405 @@
+//! The simple protocol's Query: analysed where it lies, forwarded as it is, or rewritten
+//! with pgfence's checks where its transactions end; checked first on its own when it holds
+//! a statement that cannot run in a transaction block, or ends a batch's transaction.
+
+use fence_core::classify::{Analysis, StatementKind};
+use fence_core::lexer::{is_keyword, LexOptions, Lexer, TokKind};
+
+use crate::error::SessionError;
+use crate::protocol::message as msg;
+
+use super::extended::prepared_in_sql;
+use super::replies::{AfterCheck, Injected, Origin, QueryPlan, Request};
+use super::tx::{SimplePlan, View};
+use super::{CommitCheck, Flow, Flushed, Hold, Remembered, Session};
+
+/// Whether `sql` is `COPY ... FROM STDIN`: `COPY` first, then `FROM STDIN` outside
+/// parentheses (so not the `FROM` of `COPY (SELECT ... FROM t) TO STDOUT`).
+pub(super) fn is_copy_from_stdin(sql: &[u8], options: LexOptions) -> bool {
+    let mut tokens = Lexer::with_options(sql, options)
+        .filter(|t| !matches!(t.kind, TokKind::Comment { .. }))
+        .take_while(|t| t.kind != TokKind::Semicolon);
+    if !tokens
+        .next()
+        .is_some_and(|t| t.kind == TokKind::Ident && is_keyword(t.text(sql), "copy"))
+    {
+        return false;
+    }
+    let mut depth = 0usize;
+    let mut after_from = false;
+    for t in tokens {
+        match t.kind {
+            TokKind::LParen => depth += 1,
+            TokKind::RParen => depth = depth.saturating_sub(1),
+            TokKind::Ident if depth == 0 => {
+                if after_from {
+                    return is_keyword(t.text(sql), "stdin");
+                }
+                after_from = is_keyword(t.text(sql), "from");
+            }
+            _ => after_from = false,
+        }
+    }
+    false
+}
+
+/// A count of statements in a Query, as [`QueryPlan`] keeps it: a message of at most 1 GiB
+/// cannot hold more than `u32::MAX`.
+fn count(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+impl Session {
+    pub(super) fn on_query(&mut self, frame: &[u8]) -> Result<Flow, SessionError> {
+        let Some(sql) = msg::query_text(frame) else {
+            return Err(SessionError::MalformedClientMessage("Query"));
+        };
+        if self.lexing_in_doubt(sql) {
+            if !self.replies.ready_tells_state() {
+                return Err(SessionError::QueryLexingInDoubt);
+            }
+            return Ok(self.hold_until_answered());
+        }
+        // Analysed where it lies, without the copies a prepared statement keeps.
+        let analysis = &self.analyze(sql);
+        self.note_query(sql, analysis);
+        if !self.fence.enabled {
+            if analysis.tx_control() {
+                self.tx.view = View::Unknown;
+            }
+            self.forward(frame, Request::Query);
+            return Ok(Flow::Continue);
+        }
+        let single = match &*analysis.statements {
+            [only] => Some(only.kind),
+            _ => None,
+        };
+        if single == Some(StatementKind::NonTransactional) {
+            if let Some(flow) = self.non_transactional_query(frame, analysis) {
+                return Ok(flow);
+            }
+        }
+        // Back after the check before it inside its batch (see `Flushed::Check`).
+        let checked_first = match self.take_hold() {
+            Some(Ok(())) => true,
+            Some(Err(status)) => {
+                self.ready_to_client(status);
+                return Ok(Flow::Continue);
+            }
+            None => false,
+        };
+        if self.waits_for_replies(analysis) {
+            return Ok(self.hold_until_answered());
+        }
+        if self.fence.fast_path && analysis.may_write() && !checked_first {
+            if let Some((resource, token, fence)) =
+                self.fence.stale(&analysis.directives, &self.shared.fences)
+            {
+                return Ok(self.fast_reject_query(analysis, resource, token, fence));
+            }
+        }
+        // A Query that starts with `BEGIN` makes a block of the batch's transaction: it does
+        // not end there, and its COMMIT is checked (a check before the `BEGIN` would take a
+        // snapshot first, and a `BEGIN ISOLATION LEVEL` then fail).
+        let opens_block = analysis
+            .statements
+            .first()
+            .is_some_and(|s| s.kind == StatementKind::Begin);
+        if !checked_first
+            && !opens_block
+            && self.tx.sync_needs_check()
+            && self.batch_commits_inside()
+        {
+            if self.waits_for_state_inside_batch() {
+                return Ok(self.hold_until_answered());
+            }
+            // The Query ends the batch's implicit transaction: what the batch wrote is checked
+            // before it, as at a Sync, and the Query's own statements as if it came alone (a
+            // check added to its text would make a lone `SAVEPOINT`, `LOCK` or `SET LOCAL`
+            // run in an implicit block, and one it takes for block-sensitive would get none).
+            return Ok(self.check_inside_batch_first(false));
+        }
+        self.tx.add_directives(&analysis.directives);
+        if matches!(
+            single,
+            Some(StatementKind::Commit | StatementKind::PrepareTransaction)
+        ) && self.tx.commit_needs_check()
+        {
+            return Ok(self.commit_query_with_check(frame));
+        }
+        // Nothing in flight and no block open: pgfence may prepare a statement first.
+        // Not in the middle of a batch whose replies pgfence has read (see `Flushed`): the
+        // Sync of the statement's preparation would commit what the batch ran.
+        let quiet = self.tx.view == View::Idle
+            && self.replies.is_empty()
+            && !self.tx.batch_has_execute
+            && self.commit_check == CommitCheck::None;
+        let plan = self.tx.plan_simple(analysis);
+        if plan.is_empty() {
+            self.forward(frame, Request::Query);
+            return Ok(Flow::Continue);
+        }
+        Ok(self.query_with_checks(sql, analysis, &plan, quiet))
+    }
+
+    /// What a Query changes whether or not the fence is on: the text kept for rejection
+    /// logs, and the prepared statements it drops or replaces.
+    fn note_query(&mut self, sql: &[u8], analysis: &Analysis) {
+        if analysis.may_write() {
+            Remembered::query(&mut self.last_write, sql);
+        }
+        Remembered::query(&mut self.last_sql, sql);
+        if analysis
+            .statements
+            .iter()
+            .any(|s| s.kind == StatementKind::Discard)
+        {
+            self.fence.dropping_prepared();
+        }
+        if analysis.prepares_in_sql {
+            for statement in analysis.statements.iter().filter(|s| s.prepares_in_sql) {
+                self.forget_prepared_in_sql(&prepared_in_sql(statement.text(sql), self.lex));
+            }
+        }
+    }
+
+    /// A Query of one statement that cannot run in a transaction block (`VACUUM`, ...):
+    /// checked first in a transaction of its own where it runs alone (SPEC section 3), or
+    /// held until pgfence knows where it runs. `None`: handled as any other Query.
+    #[cold]
+    #[inline(never)]
+    fn non_transactional_query(&mut self, frame: &[u8], analysis: &Analysis) -> Option<Flow> {
+        match self.take_hold() {
+            Some(Ok(())) => {
+                self.forward(frame, Request::Query);
+                Some(Flow::Continue)
+            }
+            Some(Err(status)) => {
+                self.ready_to_client(status);
+                Some(Flow::Continue)
+            }
+            None if self.runs_alone() && self.replies.is_empty() => {
+                self.tx.add_directives(&analysis.directives);
+                self.inject_check_with_sync(true, AfterCheck::Release);
+                Some(self.hold_until_answered())
+            }
+            None if self.runs_alone() && self.batch_commits_inside() => {
+                // Inside a batch, behind only its Parse, Bind, Describe or Close and
+                // Executes of empty statements: the server runs the statement as it
+                // would outside one (it ends the transaction they started), but an
+                // Execute of pgfence's check there would make it fail "within a
+                // pipeline". A Flush brings their replies: once they are in, the
+                // statement is checked first on its own (the transaction it ends has run
+                // nothing), or, if one of them failed, goes on to the server, which
+                // skips it.
+                msg::flush(&mut self.to_server);
+                self.flushed = Flushed::ForPrecheck;
+                Some(self.hold_until_answered())
+            }
+            None if self.learns_state_first() => {
+                // Inside a batch, behind an Executed `COMMIT` or `ROLLBACK` of it and only
+                // empty statements or a Parse, Bind, Describe or Close since: PostgreSQL
+                // runs the statement in a new transaction, outside a block unless the
+                // `COMMIT` chained one. A Flush brings the replies in flight; behind an
+                // error the statement goes on to the server as it is, which skips it.
+                // Once they are all in, a Sync of pgfence's tells whether a block is open
+                // (it ends only a transaction that has run nothing), and the statement is
+                // handled again: checked first on its own when none is.
+                if self.replies.is_empty() {
+                    // Every reply came without an error (else the client's messages would
+                    // go to the server as they are, up to its Sync): a check before a
+                    // COMMIT of the batch passed, and the COMMIT ran.
+                    self.commit_check = CommitCheck::None;
+                    msg::sync(&mut self.to_server);
+                    self.replies
+                        .push(Request::Sync, Origin::Injected(Injected::StateSync));
+                    self.tx.end_batch();
+                } else {
+                    msg::flush(&mut self.to_server);
+                    self.flushed = Flushed::ForPrecheck;
+                }
+                Some(self.hold_until_answered())
+            }
+            None if self.tx.batch_pipelined && self.batch_commits_inside() => {
+                // Inside a batch, behind an Execute of its transaction that pipelines:
+                // the statement commits what the batch wrote (PostgreSQL refuses one that
+                // cannot run in a block "within a pipeline" there anyway, or, when the
+                // batch's `COMMIT AND CHAIN` opened one, "inside a transaction block").
+                // Checked first, in that transaction, with no Sync (which would end the
+                // client's batch); a check appended to the Query would make it an
+                // implicit block, and the error the second one.
+                if self.waits_for_state_inside_batch() {
+                    return Some(self.hold_until_answered());
+                }
+                self.tx.add_directives(&analysis.directives);
+                Some(self.check_inside_batch_first(true))
+            }
+            None if (self.precheck_possible() || self.tx.view == View::Unknown)
+                && self.replies.ends_at_sync_point() =>
+            {
+                // Replies are still owed (a pipelining client: tokio-postgres closes a
+                // statement with Close and Sync after its query returned). Checked with
+                // them in flight, the statement would have to share a query string with
+                // the check, and fail to run in a transaction block: wait for them. So
+                // when transaction control is in flight: its replies tell whether the
+                // statement runs in a block (and fails) or can be checked first.
+                Some(self.hold_until_answered())
+            }
+            None => None,
+        }
+    }
+
+    /// A Query that is a lone `COMMIT` (or `PREPARE TRANSACTION`) of a block that wrote.
+    fn commit_query_with_check(&mut self, frame: &[u8]) -> Flow {
+        // A lone COMMIT: the check right before it, with no Sync of its own, so that
+        // the server answers both in one write. If the check fails, the server skips the
+        // COMMIT up to a Sync: pgfence then sends one and ends the failed block with its
+        // own ROLLBACK (see `CommitCheck`), so a rejection looks like a deferred
+        // constraint failing at COMMIT (error, then ReadyForQuery idle). Until then no
+        // other client message may reach the server.
+        self.inject_check(false);
+        self.tx.end();
+        self.tx.view = View::Unknown;
+        self.forward(frame, Request::Query);
+        self.commit_check = CommitCheck::Pending {
+            found_failed: false,
+        };
+        self.hold = Hold::Waiting;
+        Flow::Pause
+    }
+
+    /// Sends the Query's text with pgfence's check statements inserted where `plan` puts
+    /// them (before an inner COMMIT, at the end of an implicit transaction). `quiet`: nothing
+    /// is in flight and no block is open, so the check statement may be prepared first.
+    fn query_with_checks(
+        &mut self,
+        sql: &[u8],
+        analysis: &Analysis,
+        plan: &SimplePlan,
+        quiet: bool,
+    ) -> Flow {
+        // Rewrite: the client's text with check statements where transactions end.
+        let mut text = Vec::with_capacity(sql.len() + 256);
+        let mut checks = Vec::with_capacity(plan.before.len() + 1);
+        let mut copied = 0;
+        let mut inserted = Vec::new();
+        let mut chars_before = 0;
+        let mut prepare = None;
+        for (n, &(offset, index)) in plan.before.iter().enumerate() {
+            text.extend_from_slice(&sql[copied..offset]);
+            let at = text.len();
+            prepare = prepare.or(self.simple_check(&mut text));
+            text.extend_from_slice(b";\n");
+            if let Some(counted) = self.char_count(&sql[copied..offset]) {
+                // The check's text is ASCII: one character per byte.
+                chars_before += counted;
+                let added = (text.len() - at) as u64;
+                inserted.push((chars_before, added));
+                chars_before += added;
+            }
+            copied = offset;
+            checks.push(count(index + n));
+        }
+        if inserted.len() != plan.before.len() {
+            inserted.clear();
+        }
+        text.extend_from_slice(&sql[copied..]);
+        if plan.at_end {
+            text.extend_from_slice(b"\n;");
+            prepare = prepare.or(self.simple_check(&mut text));
+            checks.push(count(analysis.statements.len() + plan.before.len()));
+        }
+        self.shared.stats.checks.add();
+        self.tx.directives.clear();
+        self.check_sent = Some(std::time::Instant::now());
+        if let (Some(statement), true) = (prepare, quiet) {
+            self.prepare_before_query(statement);
+        }
+        self.sent(Request::Query);
+        msg::query(&mut self.to_server, &text);
+        let statements = count(analysis.statements.len() + checks.len());
+        self.replies.push_query(QueryPlan {
+            checks,
+            done: 0,
+            fast_reject: false,
+            at_end: plan.at_end,
+            statements,
+            inserted,
+        });
+        if !plan.before.is_empty() {
+            // A check before an inner COMMIT: see `CommitCheck`.
+            self.commit_check = CommitCheck::Pending {
+                found_failed: false,
+            };
+            self.hold = Hold::Waiting;
+            self.copy_through = analysis
+                .statements
+                .iter()
+                .any(|s| is_copy_from_stdin(s.text(sql), self.lex));
+            return Flow::Pause;
+        }
+        Flow::Continue
+    }
+
+    /// A simple Query that would write with a known-stale token.
+    fn fast_reject_query(
+        &mut self,
+        analysis: &Analysis,
+        resource: fence_core::token::Resource,
+        token: fence_core::token::Token,
+        fence: i64,
+    ) -> Flow {
+        let rejection = fence_core::rejection::Rejection::stale(&resource, token, fence);
+        if self.tx.view == View::Idle && self.replies.is_empty() && !analysis.tx_control() {
+            // Nothing open upstream: answer without a round trip.
+            self.report_rejection(&rejection, "fast");
+            msg::error_response(
+                &mut self.to_client,
+                &msg::ErrorMessage {
+                    severity: "ERROR",
+                    code: rejection.reason.sqlstate(),
+                    message: &rejection.message,
+                    detail: Some(&rejection.detail),
+                    hint: Some(&rejection.hint),
+                },
+            );
+            self.ready_to_client(b'I');
+            return Flow::Continue;
+        }
+        // A transaction is open: make it fail upstream exactly as the client is told.
+        let mut text = Vec::with_capacity(128);
+        fence_core::sql::fast_reject_literal(resource.as_str(), token.get(), fence, &mut text);
+        self.sent(Request::Query);
+        msg::query(&mut self.to_server, &text);
+        self.replies.push_query(QueryPlan {
+            checks: Vec::new(),
+            done: 0,
+            fast_reject: true,
+            at_end: false,
+            statements: 1,
+            inserted: Vec::new(),
+        });
+        Flow::Continue
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_copy_from_stdin;
+
+    #[test]
+    fn copy_from_stdin_is_recognised() {
+        let yes = |sql: &str| is_copy_from_stdin(sql.as_bytes(), Default::default());
+        assert!(yes("COPY t FROM STDIN"));
+        assert!(yes("copy t (a, b) from stdin with (format csv)"));
+        assert!(yes("/* c */ COPY \"T\" FROM\nstdin;"));
+        assert!(yes("COPY s.t FROM STDIN (FORMAT binary)"));
+        assert!(!yes("COPY t TO STDOUT"));
+        assert!(!yes("COPY (SELECT a FROM stdin) TO STDOUT"));
+        assert!(!yes("COPY t FROM '/tmp/file'"));
+        assert!(!yes("COPY t FROM PROGRAM 'cat'"));
+        assert!(!yes("SELECT 'COPY t FROM STDIN'"));
+        assert!(!yes("SELECT 1; COPY t FROM STDIN"));
+        assert!(!yes(""));
+    }
+}
