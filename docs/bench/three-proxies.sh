@@ -9,6 +9,13 @@
 # proxies' ports), `pid_of[port]` and `names[port]`, and `work`, `bin` and `pgfence`
 # (PGFENCE, or the workspace's release build: cargo build --release -p pgfence).
 # As root, the server and PgBouncer run as the `postgres` user.
+#
+# PgBouncer and pgfence both run in this script's session, as pgbench does (the server is
+# in one of its own: pg_ctl calls setsid). Until 2026-12-06 PgBouncer was started with
+# `su -c "pgbouncer -d"`, which put it in a session of its own, and with the kernel's
+# autogroup scheduling (on here) in a CPU group of its own, while pgfence shared one with
+# pgbench: see docs/benchmarks.md#autogroup-2026-12-06. The runner (benches/) never did
+# this: it starts both proxies in its own session.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 pgfence=${PGFENCE:-$root/target/release/pgfence}
@@ -54,11 +61,16 @@ pidfile = $work/bouncer.pid
 CONF
 echo '"postgres" ""' >"$work/users.txt"
 chmod 666 "$work"/bouncer.ini "$work"/users.txt
-as_pg "pgbouncer -d $work/bouncer.ini"
-sleep 0.5
+# Not `su -c` (a new session) nor `pgbouncer -d` (which calls setsid): see the head.
+if [ "$(id -u)" = 0 ]; then
+  setpriv --reuid=postgres --regid=postgres --init-groups pgbouncer "$work/bouncer.ini" >/dev/null 2>&1 &
+else
+  pgbouncer "$work/bouncer.ini" >/dev/null 2>&1 &
+fi
 declare -A pid_of names
-pid_of[$bouncer]=$(cat "$work/bouncer.pid")
+pid_of[$bouncer]=$!
 pids+=("${pid_of[$bouncer]}")
+sleep 0.5
 for port in $one $two; do
   RUST_LOG=warn "$pgfence" --listen 127.0.0.1:$port --upstream 127.0.0.1:$pg \
     --threads $((port == one ? 1 : 2)) &
