@@ -33,17 +33,6 @@ for p in "${ports[@]}"; do
   echo "# ${names[$p]}: pid ${pid_of[$p]}, $(cat /proc/${pid_of[$p]}/autogroup)"
 done
 echo "# pgbench (this shell): $(cat /proc/$$/autogroup)"
-pm=$(head -1 "$work/data/postmaster.pid")
-tck=$(getconf CLK_TCK)
-server_ticks() { # the postmaster, its reaped children and its live ones
-  local t c
-  t=$(awk '{print $14 + $15 + $16 + $17}' /proc/$pm/stat)
-  for c in $(cat /proc/$pm/task/$pm/children); do
-    t=$((t + $(awk '{print $14 + $15}' /proc/$c/stat 2>/dev/null || echo 0)))
-  done
-  echo $t
-}
-proxy_ticks() { awk '{print $14 + $15}' /proc/$1/stat; }
 for w in "-S -M prepared" "-S -M simple" "-M prepared" "-M simple"; do
   for p in "${ports[@]}"; do # warm-up
     pgbench -n -h 127.0.0.1 -p "$p" -U postgres -T 1 -c 8 -j 2 $w postgres >/dev/null 2>&1

@@ -19,9 +19,6 @@ sleep 1
 python3 "$here/2026-12-06-setslice.py" ${pid_of[$sl]} $slice pgfence-worker
 names[$sl]="pgfence-slice"
 ports=($bouncer $two $sl)
-pm=$(head -1 "$work/data/postmaster.pid"); tck=$(getconf CLK_TCK)
-server_ticks() { local t c; t=$(awk '{print $14+$15+$16+$17}' /proc/$pm/stat); for c in $(cat /proc/$pm/task/$pm/children); do t=$((t + $(awk '{print $14+$15}' /proc/$c/stat 2>/dev/null || echo 0))); done; echo $t; }
-proxy_ticks() { awk '{print $14+$15}' /proc/$1/stat; }
 ics() { local s=0; for f in /proc/$1/task/*/status; do s=$((s + $(awk '/^nonvoluntary/ {print $2}' $f))); done; echo $s; }
 vcs() { local s=0; for f in /proc/$1/task/*/status; do s=$((s + $(awk '/^voluntary_ctxt/ {print $2}' $f))); done; echo $s; }
 for w in "-S -M prepared" "-S -M simple" "-M prepared" "-M simple"; do

@@ -7,7 +7,8 @@
 # Before sourcing, set `base`, the first of five ports (PostgreSQL; PgBouncer, pgfence with
 # 1 thread and with 2 at base+1000, +2000, +3000). Sets `bouncer`, `one` and `two` (the
 # proxies' ports), `pid_of[port]` and `names[port]`, and `work`, `bin` and `pgfence`
-# (PGFENCE, or the workspace's release build: cargo build --release -p pgfence).
+# (PGFENCE, or the workspace's release build: cargo build --release -p pgfence); defines
+# `server_ticks` and `proxy_ticks PID` (CPU time in clock ticks, `tck` to the second).
 # As root, the server and PgBouncer run as the `postgres` user.
 #
 # PgBouncer and pgfence both run in this script's session, as pgbench does (the server is
@@ -79,3 +80,14 @@ for port in $one $two; do
 done
 sleep 1
 names=([$bouncer]=pgbouncer [$one]="pgfence-1-thread" [$two]="pgfence-2-threads")
+pm=$(head -1 "$work/data/postmaster.pid")
+tck=$(getconf CLK_TCK)
+server_ticks() { # the postmaster, its reaped children and its live ones
+  local t c
+  t=$(awk '{print $14 + $15 + $16 + $17}' /proc/$pm/stat)
+  for c in $(cat /proc/$pm/task/$pm/children); do
+    t=$((t + $(awk '{print $14 + $15}' /proc/$c/stat 2>/dev/null || echo 0)))
+  done
+  echo $t
+}
+proxy_ticks() { awk '{print $14 + $15}' /proc/$1/stat; }
