@@ -12,11 +12,7 @@ secs=${2:-5}
 base=25432
 source "$(dirname "$0")/three-proxies.sh"
 ports=($bouncer $one $two)
-for w in "-S -M prepared" "-S -M simple" "-M prepared" "-M simple"; do
-  for p in "${ports[@]}"; do # warm-up
-    pgbench -n -h 127.0.0.1 -p "$p" -U postgres -T 1 -c 8 -j 2 $w postgres >/dev/null 2>&1
-  done
-done
+warm_up "${ports[@]}"
 for r in $(seq 1 "$rounds"); do
   for w in "-S -M prepared" "-S -M simple" "-M prepared" "-M simple"; do
     for i in 0 1 2; do

@@ -33,11 +33,7 @@ for p in "${ports[@]}"; do
   echo "# ${names[$p]}: pid ${pid_of[$p]}, $(cat /proc/${pid_of[$p]}/autogroup)"
 done
 echo "# pgbench (this shell): $(cat /proc/$$/autogroup)"
-for w in "-S -M prepared" "-S -M simple" "-M prepared" "-M simple"; do
-  for p in "${ports[@]}"; do # warm-up
-    pgbench -n -h 127.0.0.1 -p "$p" -U postgres -T 1 -c 8 -j 2 $w postgres >/dev/null 2>&1
-  done
-done
+warm_up "${ports[@]}"
 for r in $(seq 1 "$rounds"); do
   for w in "-S -M prepared" "-S -M simple" "-M prepared" "-M simple"; do
     for i in 0 1 2 3; do

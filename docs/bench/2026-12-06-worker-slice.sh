@@ -21,9 +21,7 @@ names[$sl]="pgfence-slice"
 ports=($bouncer $two $sl)
 ics() { local s=0; for f in /proc/$1/task/*/status; do s=$((s + $(awk '/^nonvoluntary/ {print $2}' $f))); done; echo $s; }
 vcs() { local s=0; for f in /proc/$1/task/*/status; do s=$((s + $(awk '/^voluntary_ctxt/ {print $2}' $f))); done; echo $s; }
-for w in "-S -M prepared" "-S -M simple" "-M prepared" "-M simple"; do
-  for p in "${ports[@]}"; do pgbench -n -h 127.0.0.1 -p "$p" -U postgres -T 1 -c $clients -j $(( clients > 1 ? 2 : 1 )) $w postgres >/dev/null 2>&1; done
-done
+warm_up "${ports[@]}"
 for r in $(seq 1 "$rounds"); do
   for w in "-S -M prepared" "-S -M simple" "-M prepared" "-M simple"; do
     for i in 0 1 2; do

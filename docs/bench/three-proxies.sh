@@ -8,7 +8,8 @@
 # 1 thread and with 2 at base+1000, +2000, +3000). Sets `bouncer`, `one` and `two` (the
 # proxies' ports), `pid_of[port]` and `names[port]`, and `work`, `bin` and `pgfence`
 # (PGFENCE, or the workspace's release build: cargo build --release -p pgfence); defines
-# `server_ticks` and `proxy_ticks PID` (CPU time in clock ticks, `tck` to the second).
+# `server_ticks` and `proxy_ticks PID` (CPU time in clock ticks, `tck` to the second), and
+# `warm_up PORT...` (1 s of each workload through each port, CLIENTS clients, default 8).
 # As root, the server and PgBouncer run as the `postgres` user.
 #
 # PgBouncer and pgfence both run in this script's session, as pgbench does (the server is
@@ -91,3 +92,11 @@ server_ticks() { # the postmaster, its reaped children and its live ones
   echo $t
 }
 proxy_ticks() { awk '{print $14 + $15}' /proc/$1/stat; }
+warm_up() {
+  local w p c=${CLIENTS:-8}
+  for w in "-S -M prepared" "-S -M simple" "-M prepared" "-M simple"; do
+    for p in "$@"; do
+      pgbench -n -h 127.0.0.1 -p "$p" -U postgres -T 1 -c $c -j $((c > 1 ? 2 : 1)) $w postgres >/dev/null 2>&1
+    done
+  done
+}
