@@ -13,6 +13,13 @@
 #            hot path without its tests)
 #   session  SELECT pgfence.check(...) with fencing.token/resource set (what pgfence
 #            sends for a fenced session), the token equal to the fence (the hot path)
+#   copy     an identical copy of pgfence.check, called the same way (how far two equal
+#            variants land apart: the noise)
+#   stable   a copy declared STABLE whose read goes through a VOLATILE function taking
+#            the fence resource as argument: a STABLE PL/pgSQL function neither
+#            increments the command counter nor takes a snapshot for each expression
+#            (a VOLATILE one does both), and the read still gets a snapshot of its own,
+#            taken after the lock
 # Rounds run the variants back to back in an order rotated by one. Prints each run, then
 # per variant the median TPS, the median of the rounds' TPS ratios to `base`, and the
 # median server CPU per transaction (postmaster and backends, /proc, clock ticks).
@@ -41,8 +48,10 @@ declare -A stmt=(
   [fnread]="SELECT bench_scratch.fnread();"
   [fnlock]="SELECT bench_scratch.fnlock();"
   [session]="SELECT pgfence.check(NULL, NULL, NULL, NULL, '127.0.0.1', false);"
+  [copy]="SELECT bench_scratch.check_copy(NULL, NULL, NULL, NULL, '127.0.0.1', false);"
+  [stable]="SELECT bench_scratch.check_stable(NULL, NULL, NULL, NULL, '127.0.0.1', false);"
 )
-variants=(base select1 guard lock read fnread fnlock session)
+variants=(base select1 guard lock read fnread fnlock session copy stable)
 psql -qX -h 127.0.0.1 -p $pg -U postgres postgres >/dev/null <<SQL
 CREATE SCHEMA bench_scratch;
 CREATE FUNCTION bench_scratch.fnread() RETURNS bigint LANGUAGE plpgsql VOLATILE AS \$f\$
@@ -58,6 +67,30 @@ BEGIN
     SELECT f.token INTO v FROM pgfence.fences AS f WHERE f.resource = 'bench';
     RETURN v;
 END \$f\$;
+CREATE FUNCTION bench_scratch.fence_of(p_resource text) RETURNS bigint LANGUAGE plpgsql VOLATILE AS \$f\$
+DECLARE v bigint;
+BEGIN
+    SELECT f.token INTO v FROM pgfence.fences AS f WHERE f.resource = p_resource;
+    RETURN v;
+END \$f\$;
+DO \$copies\$
+DECLARE
+    d text := pg_catalog.pg_get_functiondef('pgfence.check(text[], text[], text, text[], text, boolean)'::regprocedure);
+    r text := 'SELECT f.token INTO v_locked FROM pgfence.fences AS f WHERE f.resource OPERATOR(pg_catalog.=) v_r0;';
+BEGIN
+    IF pg_catalog.strpos(d, r) = 0 THEN
+        RAISE EXCEPTION 'pgfence.check no longer reads the fence as this script expects';
+    END IF;
+    EXECUTE replace(d, 'pgfence."check"(', 'bench_scratch.check_copy(');
+    EXECUTE replace(replace(replace(d, 'pgfence."check"(', 'bench_scratch.check_stable('),
+                            E' LANGUAGE plpgsql\\n', E' LANGUAGE plpgsql STABLE\\n'),
+                    r, 'v_locked := bench_scratch.fence_of(v_r0);');
+    IF (SELECT p.provolatile FROM pg_catalog.pg_proc AS p
+        WHERE p.oid = 'bench_scratch.check_stable'::regproc) <> 's' THEN
+        RAISE EXCEPTION 'bench_scratch.check_stable did not become STABLE';
+    END IF;
+END
+\$copies\$;
 SQL
 for v in "${variants[@]}"; do
   printf '%s\n%s\n%s\n' "$head" "${stmt[$v]}" "$tail" >$d/$v.sql
@@ -66,9 +99,24 @@ token="-c fencing.token=1000 -c fencing.resource=bench"
 # The fence of `bench` at 1000, so that the session's check takes its hot path.
 PGOPTIONS="$token" psql -qX -h 127.0.0.1 -p $pg -U postgres postgres -c \
   "BEGIN; UPDATE pgbench_branches SET bbalance = bbalance WHERE bid = 1; SELECT pgfence.check(NULL, NULL, NULL, NULL, 'x', false); COMMIT;" >/dev/null
+# Each of the three checks takes its hot path from a session's second write on: in three
+# transactions of a fresh session, only the first calls pgfence.check_write.
+psql -qXAt -h 127.0.0.1 -p $pg -U postgres postgres -c "SELECT pg_catalog.pg_stat_reset()" >/dev/null
+for v in session copy stable; do
+  call=${stmt[$v]}
+  tx="BEGIN; UPDATE pgbench_branches SET bbalance = bbalance WHERE bid = 1; $call COMMIT;"
+  PGOPTIONS="$token -c track_functions=pl" psql -qX -h 127.0.0.1 -p $pg -U postgres postgres \
+    -c "$tx" -c "$tx" -c "$tx" -c "SELECT pg_catalog.pg_stat_force_next_flush()" >/dev/null
+done
+calls=$(psql -qXAt -h 127.0.0.1 -p $pg -U postgres postgres -c \
+  "SELECT coalesce(sum(calls), 0) FROM pg_catalog.pg_stat_user_functions WHERE funcname = 'check_write'")
+if [ "$calls" != 3 ]; then
+  echo "pgfence.check_write ran $calls times, expected 3: a check missed its hot path" >&2
+  exit 1
+fi
 run() { # variant seconds
   local opts=""
-  [ "$1" = session ] && opts=$token
+  [[ $1 == session || $1 == copy || $1 == stable ]] && opts=$token
   PGOPTIONS="$opts" pgbench -n -h 127.0.0.1 -p $pg -U postgres -M prepared -T "$2" \
     -c $clients -j $((clients > 1 ? 2 : 1)) -f $d/$1.sql postgres 2>&1
 }
