@@ -52,7 +52,7 @@ declare -A stmt=(
   [stable]="SELECT bench_scratch.check_stable(NULL, NULL, NULL, NULL, '127.0.0.1', false);"
 )
 variants=(base select1 guard lock read fnread fnlock session copy stable)
-psql -qX -h 127.0.0.1 -p $pg -U postgres postgres >/dev/null <<SQL
+psql -qX -v ON_ERROR_STOP=1 -h 127.0.0.1 -p $pg -U postgres postgres >/dev/null <<SQL
 CREATE SCHEMA bench_scratch;
 CREATE FUNCTION bench_scratch.fnread() RETURNS bigint LANGUAGE plpgsql VOLATILE AS \$f\$
 DECLARE v bigint;
