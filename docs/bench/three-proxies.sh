@@ -10,7 +10,8 @@
 # (PGFENCE, or the workspace's release build: cargo build --release -p pgfence); defines
 # `server_ticks` and `proxy_ticks PID` (CPU time in clock ticks, `tck` to the second), and
 # `warm_up PORT...` (1 s of each workload through each port, CLIENTS clients, default 8).
-# As root, the server and PgBouncer run as the `postgres` user.
+# As root, the server and PgBouncer run as the `postgres` user. 2026-12-06-check-8c.sh
+# sources it for the server alone and stops the proxies at once.
 #
 # PgBouncer and pgfence both run in this script's session, as pgbench does (the server is
 # in one of its own: pg_ctl calls setsid). Until 2026-12-06 PgBouncer was started with
