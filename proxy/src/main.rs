@@ -309,7 +309,7 @@ async fn serve(config: Config, source: Source, threads: usize) -> Result<(), Str
         tokio::spawn(pgfence::metrics::serve(listener, shared.metrics.clone()));
     }
     tokio::spawn(reload_on_sighup(shared.clone(), hup));
-    let workers = pgfence::Workers::start(threads)
+    let workers = pgfence::Workers::start(threads, &shared.metrics)
         .map_err(|e| format!("cannot start worker threads: {e}"))?;
     let served = pgfence::run_with(listener, unix, shared, Some(workers), shutdown).await;
     if let Some(path) = &socket_path {

@@ -45,6 +45,13 @@ pub struct ResourceLabel {
     pub resource: String,
 }
 
+/// Labels of `pgfence_worker_sessions`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WorkerLabel {
+    /// The worker thread's number, 0 to `--threads` - 1.
+    pub worker: usize,
+}
+
 /// Every metric pgfence exports.
 #[derive(Debug)]
 pub struct Metrics {
@@ -57,6 +64,8 @@ pub struct Metrics {
     pub upstream_idle: Gauge,
     pub upstream_reused: Counter,
     pub upstream_errors: Counter,
+    /// Client sessions per worker thread (only with worker threads, as the binary runs).
+    pub worker_sessions: Family<WorkerLabel, Gauge>,
     pub check_latency: LatencyHistogram,
     pub query_latency: LatencyHistogram,
 }
@@ -72,6 +81,7 @@ impl Default for Metrics {
         let upstream_idle = Gauge::default();
         let upstream_reused = Counter::default();
         let upstream_errors = Counter::default();
+        let worker_sessions = Family::<WorkerLabel, Gauge>::default();
         // 50 µs .. ~1.6 s
         let check_latency = LatencyHistogram::doubling_from(Duration::from_micros(50));
         let query_latency = LatencyHistogram::doubling_from(Duration::from_micros(50));
@@ -116,6 +126,11 @@ impl Default for Metrics {
             upstream_errors.clone(),
         );
         registry.register(
+            "pgfence_worker_sessions",
+            "Client sessions open now on each worker thread (--threads)",
+            worker_sessions.clone(),
+        );
+        registry.register(
             "pgfence_fence_check_duration_seconds",
             "Time from sending a fence check upstream to its reply",
             check_latency.clone(),
@@ -135,6 +150,7 @@ impl Default for Metrics {
             upstream_idle,
             upstream_reused,
             upstream_errors,
+            worker_sessions,
             check_latency,
             query_latency,
         }

@@ -10,6 +10,7 @@
 //!   a last second and close what is left.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,44 +20,90 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
+use prometheus_client::metrics::gauge::Gauge;
+
+use crate::metrics::{Metrics, WorkerLabel};
 use crate::net::{ClientAddr, Stream};
 use crate::state::Shared;
 
 /// Threads that run client sessions, each with its own single-threaded runtime (and so
 /// its own I/O driver): a session's reads, writes and wakeups stay on one thread, without
-/// the work-stealing scheduler's bookkeeping. Sessions are dealt out round-robin. Their
-/// runtimes have no timer (see [`crate::deadline`]): nothing that runs on them may use
-/// `tokio::time`.
+/// the work-stealing scheduler's bookkeeping. A new session goes to the worker with the
+/// fewest sessions open (ties dealt out round-robin), so that clients coming and going do
+/// not pile the long-lived sessions onto one thread. Their runtimes have no timer (see
+/// [`crate::deadline`]): nothing that runs on them may use `tokio::time`.
 #[derive(Debug)]
 pub struct Workers {
     handles: Vec<tokio::runtime::Handle>,
-    next: std::sync::atomic::AtomicUsize,
+    /// Sessions open on each worker: `pgfence_worker_sessions{worker}`.
+    sessions: Vec<Gauge>,
+    next: AtomicUsize,
+}
+
+/// A session's place on its worker, given back when the session ends (dropped).
+#[derive(Debug)]
+pub struct WorkerSession {
+    worker: usize,
+    sessions: Gauge,
+}
+
+impl WorkerSession {
+    /// The worker's number, as in `pgfence_worker_sessions{worker}`.
+    pub fn worker(&self) -> usize {
+        self.worker
+    }
+}
+
+impl Drop for WorkerSession {
+    fn drop(&mut self) {
+        self.sessions.dec();
+    }
 }
 
 impl Workers {
-    /// Starts `n` worker threads (at least one).
-    pub fn start(n: usize) -> std::io::Result<Workers> {
+    /// Starts `n` worker threads (at least one), counting their sessions in `metrics`.
+    pub fn start(n: usize, metrics: &Metrics) -> std::io::Result<Workers> {
         crate::deadline::start()?;
         let mut handles = Vec::new();
-        for i in 0..n.max(1) {
+        let mut sessions = Vec::new();
+        for worker in 0..n.max(1) {
             // No timer: sessions time out with `crate::deadline`, which costs a park nothing.
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_io()
                 .build()?;
             handles.push(runtime.handle().clone());
+            sessions.push(
+                metrics
+                    .worker_sessions
+                    .get_or_create(&WorkerLabel { worker })
+                    .clone(),
+            );
             std::thread::Builder::new()
-                .name(format!("pgfence-worker-{i}"))
+                .name(format!("pgfence-worker-{worker}"))
                 .spawn(move || runtime.block_on(std::future::pending::<()>()))?;
         }
         Ok(Workers {
             handles,
-            next: std::sync::atomic::AtomicUsize::new(0),
+            sessions,
+            next: AtomicUsize::new(0),
         })
     }
 
-    fn pick(&self) -> &tokio::runtime::Handle {
-        let i = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        &self.handles[i % self.handles.len()]
+    /// The worker for a new session: the one with the fewest sessions, the first of them
+    /// from a starting point that moves on at every call.
+    pub fn pick(&self) -> (&tokio::runtime::Handle, WorkerSession) {
+        let n = self.handles.len();
+        let start = self.next.fetch_add(1, Ordering::Relaxed) % n;
+        let worker = (start..start + n)
+            .map(|i| i % n)
+            .min_by_key(|&i| self.sessions[i].get())
+            .unwrap_or(start);
+        self.sessions[worker].inc();
+        let place = WorkerSession {
+            worker,
+            sessions: self.sessions[worker].clone(),
+        };
+        (&self.handles[worker], place)
     }
 }
 
@@ -113,14 +160,16 @@ pub async fn run_with(
                         Some(workers) => {
                             // Re-register the socket with the worker's own I/O driver.
                             let Ok(stream) = stream.into_std() else { continue };
+                                    let (worker, place) = workers.pick();
                             tracker.spawn_on(
                                 async move {
+                                    let _place = place;
                                     match Stream::from_std(stream) {
                                         Ok(stream) => crate::session::serve(stream, peer, shared, stop).await,
                                         Err(e) => warn!(error = %e, "cannot register client socket"),
                                     }
                                 },
-                                workers.pick(),
+                                worker,
                             );
                         }
                     }
@@ -198,5 +247,55 @@ async fn sweep_idle_servers(shared: Arc<Shared>) {
         } else {
             shared.pool.clear();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn picked(workers: &Workers) -> WorkerSession {
+        workers.pick().1
+    }
+
+    fn open(metrics: &Metrics) -> Vec<i64> {
+        (0..3)
+            .map(|worker| {
+                metrics
+                    .worker_sessions
+                    .get_or_create(&WorkerLabel { worker })
+                    .get()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_new_session_goes_to_the_worker_with_the_fewest() {
+        let metrics = Metrics::default();
+        let workers = Workers::start(3, &metrics).expect("start three workers");
+        assert_eq!(open(&metrics), [0, 0, 0]);
+
+        // Equal loads: round-robin.
+        let a = picked(&workers);
+        let b = picked(&workers);
+        let c = picked(&workers);
+        assert_eq!([a.worker(), b.worker(), c.worker()], [0, 1, 2]);
+        assert_eq!(open(&metrics), [1, 1, 1]);
+
+        // A short session ends: its worker gets the next one, wherever the turn stands.
+        drop(b);
+        assert_eq!(open(&metrics), [1, 0, 1]);
+        let d = picked(&workers);
+        assert_eq!(d.worker(), 1);
+        drop(a);
+        drop(c);
+        let e = picked(&workers);
+        let f = picked(&workers);
+        let mut rest = [e.worker(), f.worker()];
+        rest.sort_unstable();
+        assert_eq!(rest, [0, 2], "the two empty workers, not worker 1 again");
+        assert_eq!(open(&metrics), [1, 1, 1]);
+        drop((d, e, f));
+        assert_eq!(open(&metrics), [0, 0, 0]);
     }
 }

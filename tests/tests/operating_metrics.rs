@@ -8,6 +8,9 @@
 //! - [`upstream_errors_are_counted`]: a session pointed at a dead upstream, and one whose
 //!   server connection is terminated, each count one upstream error.
 //! - [`other_paths_are_not_found`]: only `GET /metrics` answers 200.
+//! - [`sessions_go_to_the_worker_with_the_fewest`]: with `--threads 2`, a session opened
+//!   after a short one closed goes to the short one's worker, and the per-worker gauges
+//!   count what is open.
 
 use std::net::SocketAddr;
 
@@ -26,6 +29,7 @@ const UPSTREAMS_IDLE: &str = "pgfence_upstream_idle_connections";
 const UPSTREAM_ERRORS: &str = "pgfence_upstream_errors_total";
 const CHECK_LATENCY: &str = "pgfence_fence_check_duration_seconds";
 const QUERY_LATENCY: &str = "pgfence_query_duration_seconds";
+const WORKER_SESSIONS: &str = "pgfence_worker_sessions";
 /// What pgfence's text is, and says it is.
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
@@ -401,4 +405,61 @@ fn other_paths_are_not_found() {
     let r = http(metrics, "GET /metrics?name[]=x HTTP/1.1");
     assert_eq!(r.status, 200, "a query string is ignored: {r:?}");
     Exposition::parse(&r.body);
+}
+
+/// `pgfence_worker_sessions{worker}` of `e`, for workers 0 and 1.
+fn per_worker(e: &Exposition) -> [f64; 2] {
+    [
+        e.must(WORKER_SESSIONS, &[("worker", "0")]),
+        e.must(WORKER_SESSIONS, &[("worker", "1")]),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_go_to_the_worker_with_the_fewest() {
+    let cluster = PgCluster::start();
+    let metrics = metrics_addr();
+    let proxy = ProxyProcess::for_cluster(
+        &cluster,
+        &["--threads", "2", "--metrics-addr", &metrics.to_string()],
+    );
+    // The harness's readiness probe (a TCP connection) may still be open for a moment.
+    eventually(
+        "no sessions on either worker before the test starts",
+        || (per_worker(&scrape(metrics)) == [0.0, 0.0]).then_some(()),
+        || scrape(metrics).text,
+    );
+    assert_eq!(
+        scrape(metrics)
+            .types
+            .get(WORKER_SESSIONS)
+            .map(String::as_str),
+        Some("gauge")
+    );
+
+    // A long-lived session, a short one beside it, then another long-lived one: dealt
+    // out round-robin, the two long-lived sessions would share a thread.
+    let long = proxy.connect(APP_DB).await;
+    let short = proxy.connect(APP_DB).await;
+    let e = scrape(metrics);
+    assert_eq!(per_worker(&e), [1.0, 1.0], "{}", e.text);
+    drop(short);
+    eventually(
+        "the short session closed",
+        || (scrape(metrics).must(CLIENTS, &[]) == 1.0).then_some(()),
+        || scrape(metrics).text,
+    );
+    let other = proxy.connect(APP_DB).await;
+    let e = scrape(metrics);
+    assert_eq!(per_worker(&e), [1.0, 1.0], "{}", e.text);
+    for client in [&long, &other] {
+        client.simple_query("SELECT 1").await.expect("SELECT 1");
+    }
+
+    drop((long, other));
+    eventually(
+        "no sessions left on either worker",
+        || (per_worker(&scrape(metrics)) == [0.0, 0.0]).then_some(()),
+        || scrape(metrics).text,
+    );
 }
