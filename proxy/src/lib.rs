@@ -19,4 +19,4 @@ pub mod sharded;
 pub mod state;
 pub mod tls;
 
-pub use server::{run, run_with, ShutdownMode, WorkerSession, Workers};
+pub use server::{run, run_with, ShutdownMode, Workers};

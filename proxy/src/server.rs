@@ -15,12 +15,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pgfence_config::Config;
+use prometheus_client::metrics::gauge::Gauge;
 use tokio::net::{TcpListener, UnixListener};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
-
-use prometheus_client::metrics::gauge::Gauge;
 
 use crate::metrics::{Metrics, WorkerLabel};
 use crate::net::{ClientAddr, Stream};
@@ -42,21 +41,11 @@ pub struct Workers {
 
 /// A session's place on its worker, given back when the session ends (dropped).
 #[derive(Debug)]
-pub struct WorkerSession {
-    worker: usize,
-    sessions: Gauge,
-}
-
-impl WorkerSession {
-    /// The worker's number, as in `pgfence_worker_sessions{worker}`.
-    pub fn worker(&self) -> usize {
-        self.worker
-    }
-}
+struct WorkerSession(Gauge);
 
 impl Drop for WorkerSession {
     fn drop(&mut self) {
-        self.sessions.dec();
+        self.0.dec();
     }
 }
 
@@ -89,9 +78,9 @@ impl Workers {
         })
     }
 
-    /// The worker for a new session: the one with the fewest sessions, the first of them
-    /// from a starting point that moves on at every call.
-    pub fn pick(&self) -> (&tokio::runtime::Handle, WorkerSession) {
+    /// The worker for a new session, by number: the one with the fewest sessions, the first
+    /// of them from a starting point that moves on at every call.
+    fn pick(&self) -> (usize, WorkerSession) {
         let n = self.handles.len();
         let start = self.next.fetch_add(1, Ordering::Relaxed) % n;
         let worker = (start..start + n)
@@ -99,11 +88,7 @@ impl Workers {
             .min_by_key(|&i| self.sessions[i].get())
             .unwrap_or(start);
         self.sessions[worker].inc();
-        let place = WorkerSession {
-            worker,
-            sessions: self.sessions[worker].clone(),
-        };
-        (&self.handles[worker], place)
+        (worker, WorkerSession(self.sessions[worker].clone()))
     }
 }
 
@@ -160,7 +145,7 @@ pub async fn run_with(
                         Some(workers) => {
                             // Re-register the socket with the worker's own I/O driver.
                             let Ok(stream) = stream.into_std() else { continue };
-                                    let (worker, place) = workers.pick();
+                            let (worker, place) = workers.pick();
                             tracker.spawn_on(
                                 async move {
                                     let _place = place;
@@ -169,7 +154,7 @@ pub async fn run_with(
                                         Err(e) => warn!(error = %e, "cannot register client socket"),
                                     }
                                 },
-                                worker,
+                                &workers.handles[worker],
                             );
                         }
                     }
@@ -254,10 +239,6 @@ async fn sweep_idle_servers(shared: Arc<Shared>) {
 mod tests {
     use super::*;
 
-    fn picked(workers: &Workers) -> WorkerSession {
-        workers.pick().1
-    }
-
     fn open(metrics: &Metrics) -> Vec<i64> {
         (0..3)
             .map(|worker| {
@@ -276,22 +257,22 @@ mod tests {
         assert_eq!(open(&metrics), [0, 0, 0]);
 
         // Equal loads: round-robin.
-        let a = picked(&workers);
-        let b = picked(&workers);
-        let c = picked(&workers);
-        assert_eq!([a.worker(), b.worker(), c.worker()], [0, 1, 2]);
+        let a = workers.pick();
+        let b = workers.pick();
+        let c = workers.pick();
+        assert_eq!([a.0, b.0, c.0], [0, 1, 2]);
         assert_eq!(open(&metrics), [1, 1, 1]);
 
         // A short session ends: its worker gets the next one, wherever the turn stands.
         drop(b);
         assert_eq!(open(&metrics), [1, 0, 1]);
-        let d = picked(&workers);
-        assert_eq!(d.worker(), 1);
+        let d = workers.pick();
+        assert_eq!(d.0, 1);
         drop(a);
         drop(c);
-        let e = picked(&workers);
-        let f = picked(&workers);
-        let mut rest = [e.worker(), f.worker()];
+        let e = workers.pick();
+        let f = workers.pick();
+        let mut rest = [e.0, f.0];
         rest.sort_unstable();
         assert_eq!(rest, [0, 2], "the two empty workers, not worker 1 again");
         assert_eq!(open(&metrics), [1, 1, 1]);
