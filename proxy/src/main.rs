@@ -87,8 +87,9 @@ struct Cli {
     /// Largest protocol message accepted, in bytes [default: 268435456].
     #[arg(long, env = "PGFENCE_MAX_MESSAGE_SIZE", global = true)]
     max_message_size: Option<u32>,
-    /// Worker threads running client sessions, each a single-threaded runtime [default: the
-    /// number of CPUs pgfence may use; 1 behaves like PgBouncer's single thread].
+    /// Worker threads running client sessions, each a single-threaded runtime; a new session
+    /// goes to the one with the fewest sessions [default: the number of CPUs pgfence may
+    /// use; 1 behaves like PgBouncer's single thread].
     #[arg(long, env = "PGFENCE_THREADS", global = true)]
     threads: Option<usize>,
     /// TLS for clients: disable, allow (or prefer: TLS when the client asks), require
