@@ -204,6 +204,38 @@ fn init_logging(format: LogFormat) {
     }
 }
 
+/// Logs a panic as one ERROR event instead of std's text on stderr, so that JSON logs stay
+/// JSON and the event carries the fields operators filter on. A panic is a bug of pgfence's:
+/// the session whose task panicked ends (its client connection closes), the others go on.
+/// With `RUST_BACKTRACE=1` the event holds the backtrace.
+fn log_panics() {
+    std::panic::set_hook(Box::new(|info| {
+        let payload = info.payload();
+        let message = payload
+            .downcast_ref::<&str>()
+            .copied()
+            .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+            .unwrap_or("(not a string)");
+        let location = info
+            .location()
+            .map(|l| format!("{}:{}:{}", l.file(), l.line(), l.column()))
+            .unwrap_or_default();
+        let backtrace = std::backtrace::Backtrace::capture();
+        let backtrace = match backtrace.status() {
+            std::backtrace::BacktraceStatus::Captured => backtrace.to_string(),
+            _ => String::new(),
+        };
+        error!(
+            thread = std::thread::current().name().unwrap_or("unnamed"),
+            panic = message,
+            location,
+            backtrace,
+            "pgfence bug: a thread panicked; if it ran a session, that session's connections \
+             are closed and the others go on; please report this event"
+        );
+    }));
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let (source, config) =
@@ -222,6 +254,7 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     init_logging(config.telemetry.log_format);
+    log_panics();
     // The main runtime accepts connections, serves metrics and handles signals; sessions
     // run on `--threads` worker threads of their own.
     let runtime = match tokio::runtime::Builder::new_current_thread()
