@@ -35,6 +35,8 @@ pub enum SessionError {
     UnexpectedServerMessage(char),
     #[error("client sent a malformed {0} message")]
     MalformedClientMessage(&'static str),
+    #[error("client sent a {0} message during COPY FROM STDIN, which only CopyData, CopyDone or CopyFail may follow")]
+    MessageDuringCopyIn(&'static str),
     #[error("the client did not complete its startup packet within {0:?}")]
     StartupTimeout(std::time::Duration),
     #[error("pgfence could not connect to upstream {upstream}: {reason}")]
@@ -74,6 +76,7 @@ impl SessionError {
             | SessionError::ClientFrame(_)
             | SessionError::UnexpectedClientMessage(_)
             | SessionError::MalformedClientMessage(_)
+            | SessionError::MessageDuringCopyIn(_)
             | SessionError::StartupTimeout(_)
             | SessionError::EncryptionAfterStartup
             | SessionError::EncryptionTwice
@@ -111,6 +114,7 @@ impl SessionError {
             | SessionError::ClientFrame(_)
             | SessionError::UnexpectedClientMessage(_)
             | SessionError::MalformedClientMessage(_)
+            | SessionError::MessageDuringCopyIn(_)
             | SessionError::EncryptionAfterStartup
             | SessionError::EncryptionTwice
             | SessionError::StartupTimeout(_) => "08P01",
@@ -125,6 +129,9 @@ impl SessionError {
         match self {
             SessionError::UpstreamConnect { .. } => Some(
                 "Check that PostgreSQL is running and reachable at pgfence's --upstream address, and upstream.sslmode and upstream.sslrootcert if it uses TLS.",
+            ),
+            SessionError::ServerIo(_) => Some(
+                "The server process may have crashed or been terminated, or the network to it failed: see the server's log. A COMMIT that was in flight may or may not have committed.",
             ),
             SessionError::ChannelBindingThroughProxy => Some(
                 "Connect with channel_binding=disable: pgfence hides SCRAM-SHA-256-PLUS when its connection to the server uses TLS.",

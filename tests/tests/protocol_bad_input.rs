@@ -19,11 +19,17 @@
 //!   a live session's pid and a wrong key, cancels nothing.
 //! - [`upstream_down_gives_fatal_naming_it`]: no server at the upstream address: FATAL
 //!   08006 naming it; an upstream that stops mid-session and comes back.
+//! - [`a_backend_that_dies_gives_fatal_08006`]: a server process killed mid-session (it
+//!   says nothing): the client gets pgfence's FATAL 08006 with a hint; a server's own FATAL
+//!   (an idle-session timeout) reaches the client alone.
 //! - [`the_binary_s_worker_threads_time_out_silent_clients`]: the same startup timeout in
 //!   the `pgfence` binary, whose sessions run on worker threads (runtimes of their own).
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
 
 use harness::wire::{self, assert_error, RawConn, Read1};
 use harness::{
@@ -304,12 +310,33 @@ fn ready_phase_bad_frames_are_refused() {
         ("an unknown tag", wire::frame(b'z', b"")),
         ("a backend tag", wire::frame(b'Z', b"I")),
         ("a NUL tag", wire::frame(0, b"")),
+        // Bodies PostgreSQL would refuse with ERROR 08P01 `invalid message format`, which
+        // for a Sync or Flush leaves the replies owed out of step.
+        ("a Sync with a body", wire::frame(b'S', b"x")),
+        ("a Flush with a body", wire::frame(b'H', b"\0")),
+        (
+            "a Query with bytes after its text",
+            wire::frame(b'Q', b"SELECT 1\0x"),
+        ),
+        (
+            "a Bind whose parameter overruns it",
+            wire::frame(b'B', b"\0\0\0\0\0\x01\0\0\0\x09ab\0\0"),
+        ),
+        (
+            "a Parse missing parameter types",
+            wire::frame(b'P', b"\0SELECT $1\0\0\x01"),
+        ),
+        ("an Execute without its row limit", wire::frame(b'E', b"\0")),
+        ("a Describe without its name", wire::frame(b'D', b"S")),
     ];
     for (case, bytes) in &cases {
         let message = expect_refused(proxy.addr(), &login, bytes);
         eprintln!("{case}: {message}");
         if case.contains("cap") {
             assert!(message.contains(&MAX_MESSAGE.to_string()), "{message}");
+        }
+        if case.contains("with a body") || case.contains("overruns") || case.contains("missing") {
+            assert!(message.contains("malformed"), "{message}");
         }
         wait_for_backends(&cluster, baseline, case);
         others.check(case);
@@ -330,6 +357,53 @@ fn ready_phase_bad_frames_are_refused() {
     assert_error(replies.last().unwrap(), "FATAL", "08P01");
     wait_for_backends(&cluster, baseline, "a bad frame after a good one");
     others.check("a bad frame after a good one");
+
+    // Inside COPY FROM STDIN, a message that is not copy data: PostgreSQL would fail the
+    // COPY and swallow the message, whose replies pgfence would wait for; it refuses it.
+    cluster.psql(APP_DB, "CREATE TABLE copied (n int)");
+    let mut conn = RawConn::connect(proxy.addr());
+    conn.send(&login);
+    conn.until_ready();
+    conn.send(&wire::query("COPY copied FROM STDIN"));
+    assert_eq!(conn.recv().tag, b'G');
+    let mut bytes = wire::copy_data(b"1\n");
+    bytes.extend(wire::sync());
+    bytes.extend(wire::function_call(1598, &[]));
+    conn.send(&bytes);
+    let replies = conn.until_closed();
+    assert_eq!(replies.len(), 1, "{replies:?}");
+    let message = assert_error(&replies[0], "FATAL", "08P01");
+    assert!(
+        message.contains("FunctionCall message during COPY FROM STDIN"),
+        "{message}"
+    );
+    wait_for_backends(&cluster, baseline, "a FunctionCall inside COPY");
+    others.check("a FunctionCall inside COPY");
+    // After the server failed the COPY (a bad row), the client may go on without CopyDone,
+    // as PostgreSQL lets it; the copy data it still sends is dropped.
+    let mut conn = RawConn::connect(proxy.addr());
+    conn.send(&login);
+    conn.until_ready();
+    conn.send(&wire::query("COPY copied FROM STDIN"));
+    assert_eq!(conn.recv().tag, b'G');
+    conn.send(&wire::copy_data(b"not a number\n"));
+    let replies = conn.until_ready();
+    assert_eq!(
+        replies[0].sqlstate().as_deref(),
+        Some("22P02"),
+        "{replies:?}"
+    );
+    let mut bytes = wire::copy_data(b"2\n");
+    bytes.extend(wire::query("SELECT count(*) FROM copied"));
+    conn.send(&bytes);
+    let rows: Vec<_> = conn
+        .until_ready()
+        .iter()
+        .filter_map(|m| m.data_row())
+        .collect();
+    assert_eq!(rows, vec![vec![Some(b"0".to_vec())]]);
+    conn.send(&wire::terminate());
+    assert!(conn.until_closed().is_empty());
 
     // A message just under the cap passes.
     let mut conn = RawConn::connect(proxy.addr());
@@ -570,6 +644,62 @@ fn upstream_down_gives_fatal_naming_it() {
         .filter_map(|m| m.data_row())
         .collect();
     assert_eq!(rows, vec![vec![Some(b"back".to_vec())]]);
+}
+
+#[test]
+fn a_backend_that_dies_gives_fatal_08006() {
+    // A server process killed mid-session says nothing; pgfence tells its client.
+    let cluster = PgCluster::start();
+    let proxy = proxy_for(&cluster);
+    let (mut conn, _) = RawConn::login(proxy.addr(), SUPERUSER, APP_DB);
+    conn.send(&wire::query("SELECT pg_backend_pid()"));
+    let pid = conn
+        .until_ready()
+        .iter()
+        .find_map(|m| m.data_row())
+        .and_then(|row| row[0].clone())
+        .map(|pid| String::from_utf8(pid).unwrap().parse::<i32>().unwrap())
+        .expect("the backend's pid");
+    kill(Pid::from_raw(pid), Signal::SIGKILL).expect("kill the backend");
+    let replies = conn.until_closed();
+    assert_eq!(replies.len(), 1, "{replies:?}");
+    let message = assert_error(&replies[0], "FATAL", "08006");
+    assert!(
+        message.contains("the server closed the connection unexpectedly"),
+        "{message}"
+    );
+    let hint = replies[0].field(b'H').unwrap_or_default();
+    assert!(hint.contains("may or may not have committed"), "{hint}");
+
+    // A server's own FATAL is passed on alone, with nothing of pgfence's after it.
+    let mut conn = login_after_restart(proxy.addr());
+    conn.send(&wire::query("SET idle_session_timeout = '100ms'"));
+    conn.until_ready();
+    let replies = conn.until_closed();
+    assert_eq!(replies.len(), 1, "{replies:?}");
+    assert_error(&replies[0], "FATAL", "57P05");
+}
+
+/// Logs in through `proxy` once PostgreSQL, restarting after a crash, takes logins again.
+fn login_after_restart(proxy: SocketAddr) -> RawConn {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut conn = RawConn::connect(proxy);
+        conn.send(&wire::startup(SUPERUSER, APP_DB));
+        let mut seen = Vec::new();
+        loop {
+            match conn.next(Duration::from_secs(10)) {
+                Ok(Read1::Msg(m)) if m.tag == b'Z' => return conn,
+                Ok(Read1::Msg(m)) => seen.push(m),
+                Ok(Read1::Closed) | Err(_) => break,
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "PostgreSQL did not take logins again after its restart: {seen:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 #[test]

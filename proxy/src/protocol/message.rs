@@ -44,6 +44,108 @@ impl Frontend {
             _ => return None,
         })
     }
+
+    /// The message's name, for errors.
+    pub fn name(self) -> &'static str {
+        match self {
+            Frontend::Query => "Query",
+            Frontend::Parse => "Parse",
+            Frontend::Bind => "Bind",
+            Frontend::Describe => "Describe",
+            Frontend::Execute => "Execute",
+            Frontend::Close => "Close",
+            Frontend::Sync => "Sync",
+            Frontend::Flush => "Flush",
+            Frontend::FunctionCall => "FunctionCall",
+            Frontend::CopyData => "CopyData",
+            Frontend::CopyDone => "CopyDone",
+            Frontend::CopyFail => "CopyFail",
+            Frontend::Terminate => "Terminate",
+            Frontend::Password => "PasswordMessage",
+        }
+    }
+}
+
+/// Whether a client message's body holds what PostgreSQL reads from it, and nothing more:
+/// strings terminated, every count followed by as many items, lengths -1 (NULL) or within
+/// the message. PostgreSQL refuses a message that does not (`ERROR 08P01 invalid message
+/// format`), but as an ERROR in place of the message's replies: a Sync or Flush refused that
+/// way owes nothing it would have (a Sync's ReadyForQuery never comes, and the server then
+/// skips to the next Sync), and pgfence, which reads these messages and counts the replies
+/// owed, would wait for replies that never come. So pgfence refuses such a message itself,
+/// as input it cannot follow (FATAL 08P01, SPEC section 8). Copy messages, Terminate and
+/// password messages are not checked: the server reads them only where their content is
+/// free-form, or not at all.
+pub fn well_formed(kind: Frontend, frame: &[u8]) -> bool {
+    let mut b = Reader(body(frame));
+    let read = match kind {
+        Frontend::Query => b.cstr(),
+        Frontend::Parse => b.cstr().and_then(|()| b.cstr()).and_then(|()| {
+            let n = b.count()?;
+            b.skip(4 * n)
+        }),
+        Frontend::Bind => b
+            .cstr()
+            .and_then(|()| b.cstr())
+            .and_then(|()| b.formats())
+            .and_then(|()| b.values())
+            .and_then(|()| b.formats()),
+        Frontend::Execute => b.cstr().and_then(|()| b.skip(4)),
+        Frontend::Describe | Frontend::Close => b.skip(1).and_then(|()| b.cstr()),
+        Frontend::Sync | Frontend::Flush => Some(()),
+        Frontend::FunctionCall => b
+            .skip(4)
+            .and_then(|()| b.formats())
+            .and_then(|()| b.values())
+            .and_then(|()| b.skip(2)),
+        Frontend::CopyData
+        | Frontend::CopyDone
+        | Frontend::CopyFail
+        | Frontend::Terminate
+        | Frontend::Password => return true,
+    };
+    read.is_some() && b.0.is_empty()
+}
+
+/// Reads a message body front to back, as PostgreSQL's `pq_getmsg*` functions do.
+struct Reader<'a>(&'a [u8]);
+
+impl Reader<'_> {
+    fn skip(&mut self, n: usize) -> Option<()> {
+        self.0 = self.0.get(n..)?;
+        Some(())
+    }
+
+    fn cstr(&mut self) -> Option<()> {
+        self.0 = cstr(self.0)?.1;
+        Some(())
+    }
+
+    /// An Int16 count (PostgreSQL reads it unsigned).
+    fn count(&mut self) -> Option<usize> {
+        let (n, rest) = self.0.split_first_chunk::<2>()?;
+        self.0 = rest;
+        Some(usize::from(u16::from_be_bytes(*n)))
+    }
+
+    /// A count of format codes, then the codes (Int16 each).
+    fn formats(&mut self) -> Option<()> {
+        let n = self.count()?;
+        self.skip(2 * n)
+    }
+
+    /// A count of values, then each value's Int32 length (-1: NULL, no bytes) and bytes.
+    fn values(&mut self) -> Option<()> {
+        for _ in 0..self.count()? {
+            let (len, rest) = self.0.split_first_chunk::<4>()?;
+            self.0 = rest;
+            let len = i32::from_be_bytes(*len);
+            if len != -1 {
+                self.skip(usize::try_from(len).ok()?)?;
+            }
+        }
+        Some(())
+    }
 }
 
 /// Messages the server sends.

@@ -53,6 +53,135 @@ fn short_huge_and_negative_lengths_are_errors() {
     ));
 }
 
+/// Messages as postgres-protocol's encoders (tokio-postgres's) write them, with what
+/// [`Frontend`] calls them.
+fn encoded_messages() -> Vec<(Frontend, Vec<u8>)> {
+    use postgres_protocol::message::frontend;
+    use postgres_protocol::IsNull;
+    let mut out = Vec::new();
+    let mut push = |kind, f: &dyn Fn(&mut BytesMut)| {
+        let mut buf = BytesMut::new();
+        f(&mut buf);
+        out.push((kind, buf.to_vec()));
+    };
+    push(Frontend::Query, &|b| {
+        frontend::query("SELECT 1", b).unwrap()
+    });
+    push(Frontend::Query, &|b| frontend::query("", b).unwrap());
+    push(Frontend::Parse, &|b| {
+        frontend::parse("s1", "SELECT $1, $2", [23, 25], b).unwrap()
+    });
+    push(Frontend::Parse, &|b| {
+        frontend::parse("", "BEGIN", [], b).unwrap()
+    });
+    push(Frontend::Bind, &|b| {
+        let values: [Option<&[u8]>; 3] = [Some(b"41"), None, Some(b"")];
+        frontend::bind(
+            "p1",
+            "s1",
+            [1i16, 0, 1],
+            values,
+            |v, buf| match v {
+                Some(v) => {
+                    buf.extend_from_slice(v);
+                    Ok(IsNull::No)
+                }
+                None => Ok(IsNull::Yes),
+            },
+            [1i16],
+            b,
+        )
+        .map_err(|_| "bind")
+        .unwrap()
+    });
+    push(Frontend::Bind, &|b| {
+        frontend::bind(
+            "",
+            "",
+            [],
+            [0u8; 0],
+            |_, _| Ok::<_, Box<dyn std::error::Error + Sync + Send>>(IsNull::No),
+            [],
+            b,
+        )
+        .map_err(|_| "bind")
+        .unwrap()
+    });
+    push(Frontend::Execute, &|b| {
+        frontend::execute("p1", 10, b).unwrap()
+    });
+    push(Frontend::Describe, &|b| {
+        frontend::describe(b'S', "s1", b).unwrap()
+    });
+    push(Frontend::Close, &|b| frontend::close(b'P', "", b).unwrap());
+    push(Frontend::Sync, &|b| frontend::sync(b));
+    push(Frontend::Flush, &|b| frontend::flush(b));
+    // FunctionCall has no encoder there: oid, one text format code, two arguments (one
+    // NULL), a text result.
+    let mut body = 177u32.to_be_bytes().to_vec();
+    body.extend([
+        0, 1, 0, 0, 0, 2, 0, 0, 0, 1, b'7', 0xff, 0xff, 0xff, 0xff, 0, 0,
+    ]);
+    out.push((Frontend::FunctionCall, frame(b'F', &body)));
+    out
+}
+
+#[test]
+fn well_formed_messages_pass_and_every_cut_or_extension_fails() {
+    for (kind, msg) in encoded_messages() {
+        assert_eq!(Frontend::from_tag(msg[0]), Some(kind));
+        assert!(well_formed(kind, &msg), "{kind:?} {msg:?}");
+        let body = &msg[5..];
+        for cut in 0..body.len() {
+            let short = frame(msg[0], &body[..cut]);
+            assert!(
+                !well_formed(kind, &short),
+                "{kind:?} cut to {cut}: {short:?}"
+            );
+        }
+        let mut long = body.to_vec();
+        long.push(0);
+        assert!(
+            !well_formed(kind, &frame(msg[0], &long)),
+            "{kind:?} extended"
+        );
+    }
+}
+
+#[test]
+fn counts_and_lengths_that_overrun_are_malformed() {
+    // Bind: one parameter of length 5 with 2 bytes; a length of -2; a count of 0xFFFF.
+    let bind = |values: &[u8]| {
+        let mut body = b"\0\0\0\0".to_vec();
+        body.extend_from_slice(values);
+        body.extend([0, 0]);
+        frame(b'B', &body)
+    };
+    assert!(well_formed(
+        Frontend::Bind,
+        &bind(&[0, 1, 0, 0, 0, 2, b'4', b'1'])
+    ));
+    assert!(!well_formed(
+        Frontend::Bind,
+        &bind(&[0, 1, 0, 0, 0, 5, b'4', b'1'])
+    ));
+    assert!(!well_formed(
+        Frontend::Bind,
+        &bind(&[0, 1, 0xff, 0xff, 0xff, 0xfe])
+    ));
+    assert!(!well_formed(Frontend::Bind, &bind(&[0xff, 0xff])));
+    // Parse claiming parameter types it does not hold.
+    assert!(!well_formed(
+        Frontend::Parse,
+        &frame(b'P', b"\0SELECT 1\0\0\x02\0\0\0\x17")
+    ));
+    // Copy messages, Terminate and passwords are not read: any body.
+    for tag in [b'd', b'c', b'f', b'X', b'p'] {
+        let kind = Frontend::from_tag(tag).unwrap();
+        assert!(well_formed(kind, &frame(tag, b"\xff\x00garbage")));
+    }
+}
+
 #[test]
 fn random_bytes_never_panic() {
     let mut seed = 0x9e3779b97f4a7c15u64;
@@ -71,6 +200,9 @@ fn random_bytes_never_panic() {
             let _ = bind_names(&bytes);
             let _ = target(&bytes);
             let _ = first_column(&bytes);
+            for tag in *b"QPBEDCSHFdcfXp" {
+                let _ = well_formed(Frontend::from_tag(tag).unwrap(), &bytes);
+            }
         }
     }
 }

@@ -9,15 +9,28 @@ use fence_core::lexer::LexOptions;
 use crate::error::SessionError;
 use crate::protocol::message::{self as msg, Frontend};
 
+use super::query::is_copy_from_stdin;
 use super::replies::{AfterCheck, Origin, Request};
 use super::tx::View;
-use super::{CommitCheck, CopyIn, Flow, Flushed, Hold, Session};
+use super::{CommitCheck, CopyFromClient, CopyIn, Flow, Flushed, Hold, Session};
 
 impl Session {
     pub(super) fn on_client_frame(&mut self, tag: u8, frame: &[u8]) -> Result<Flow, SessionError> {
         let Some(kind) = Frontend::from_tag(tag) else {
             return Err(SessionError::UnexpectedClientMessage(tag as char));
         };
+        if !msg::well_formed(kind, frame) {
+            return Err(SessionError::MalformedClientMessage(kind.name()));
+        }
+        if self.copy_from_client != CopyFromClient::None {
+            match kind {
+                Frontend::CopyData | Frontend::Sync | Frontend::Flush | Frontend::Terminate => {}
+                Frontend::CopyDone | Frontend::CopyFail => {
+                    self.copy_from_client = CopyFromClient::None;
+                }
+                _ => return Err(SessionError::MessageDuringCopyIn(kind.name())),
+            }
+        }
         if let Some(status) = self.discard_until_sync {
             // A failed precheck stands for this batch: the server never sees it. Terminate
             // still ends the session, as it ends PostgreSQL's skipping to Sync.
@@ -55,10 +68,16 @@ impl Session {
         }
         match kind {
             Frontend::Query => {
+                let queued = self.to_server.len();
                 let flow = self.on_query(frame)?;
                 // Counted once: a Query held comes back here to be handled again.
                 if flow != Flow::Hold {
                     self.shared.stats.queries.add();
+                    // Only a Query that went upstream starts anything (the fast path may
+                    // answer a stale one without a round trip).
+                    if self.to_server.len() > queued && query_may_copy_in(frame, self.lex) {
+                        self.copy_from_client = CopyFromClient::MayStart;
+                    }
                 }
                 return Ok(flow);
             }
@@ -67,11 +86,17 @@ impl Session {
             Frontend::Execute => return self.on_execute(frame),
             Frontend::Describe => self.forward(frame, Request::Describe),
             Frontend::Close => self.on_close(frame)?,
-            Frontend::Sync if self.copy_in == CopyIn::Started => {
+            Frontend::Sync
+                if self.copy_in == CopyIn::Started
+                    || self.copy_from_client == CopyFromClient::Running =>
+            {
                 // Ignored by the server in copy-in mode: no reply owed, nothing ends.
                 self.to_server.extend_from_slice(frame);
             }
-            Frontend::Sync if self.copy_in == CopyIn::Sent => {
+            Frontend::Sync
+                if self.copy_in == CopyIn::Sent
+                    || self.copy_from_client == CopyFromClient::MayStart =>
+            {
                 // Ignored if the COPY started, the end of a failed batch if it did not:
                 // either way no transaction commits here, so no check.
                 self.forward(frame, Request::SyncInCopy);
@@ -326,4 +351,25 @@ impl Session {
         self.forward(frame, Request::FunctionCall);
         Flow::Continue
     }
+}
+
+/// Whether a Query holds a `COPY ... FROM STDIN`. Cheap for the Queries that do not: only a
+/// text that mentions `stdin` (in any case) is split into statements.
+#[inline]
+fn query_may_copy_in(frame: &[u8], lex: LexOptions) -> bool {
+    let Some(sql) = msg::query_text(frame) else {
+        return false;
+    };
+    let mentions_stdin = memchr::memchr2_iter(b'n', b'N', sql)
+        .any(|i| i >= 4 && sql[i - 4..i].eq_ignore_ascii_case(b"stdi"));
+    mentions_stdin && statements_copy_in(sql, lex)
+}
+
+#[cold]
+#[inline(never)]
+fn statements_copy_in(sql: &[u8], lex: LexOptions) -> bool {
+    analyze_with(sql, lex)
+        .statements
+        .iter()
+        .any(|s| is_copy_from_stdin(s.text(sql), lex))
 }

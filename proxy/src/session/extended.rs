@@ -13,7 +13,7 @@ use crate::protocol::message as msg;
 use super::query::is_copy_from_stdin;
 use super::replies::{AfterCheck, Request};
 use super::tx::View;
-use super::{CommitCheck, CopyIn, Flow, Hold, Prepared, Remembered, Session};
+use super::{CommitCheck, CopyFromClient, CopyIn, Flow, Hold, Prepared, Remembered, Session};
 
 /// The prepared statement a SQL `PREPARE name AS ...` replaces.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -360,6 +360,7 @@ impl Session {
     fn note_copy_in(&mut self, prepared: Option<&Prepared>) {
         if prepared.is_some_and(|p| p.copy_in) {
             self.copy_in = CopyIn::Sent;
+            self.copy_from_client = CopyFromClient::MayStart;
         }
     }
 

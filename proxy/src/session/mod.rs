@@ -126,6 +126,24 @@ pub(crate) enum CopyIn {
     Started,
 }
 
+/// A `COPY ... FROM STDIN` as the client sees it, in either protocol. Once its Query or
+/// Execute is sent, only copy data, CopyDone, CopyFail, Sync, Flush and Terminate may
+/// follow until the client ends the COPY, or learns that it failed or never started. The
+/// server takes any other message for a protocol violation that fails the COPY, and
+/// swallows it: pgfence would wait for that message's replies (or hold it until the COPY's
+/// replies, which wait for the client's data) and the session would hang. So pgfence
+/// refuses such a message (FATAL 08P01), including one sent before the server said whether
+/// the COPY started: no driver sends one (libpq waits for CopyInResponse and refuses COPY
+/// in pipeline mode).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CopyFromClient {
+    None,
+    /// Sent, not yet answered: it may start, or fail, or never run.
+    MayStart,
+    /// The server answered CopyInResponse.
+    Running,
+}
+
 /// Where the session is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
@@ -470,6 +488,9 @@ pub(crate) struct Session {
     /// [`CommitCheck`]): the client's copy messages still go upstream, or the server would
     /// wait for them and the Query never be answered. The first other message is held.
     copy_through: bool,
+    /// Whether the client may be in the middle of a `COPY ... FROM STDIN` (see
+    /// [`CopyFromClient`]).
+    copy_from_client: CopyFromClient,
     /// After a failed precheck of an extended-protocol batch: drop client messages up to
     /// the Sync, answer it with ReadyForQuery of this status.
     discard_until_sync: Option<u8>,
@@ -574,6 +595,7 @@ impl Session {
             unnamed_portal: None,
             hold: Hold::None,
             copy_through: false,
+            copy_from_client: CopyFromClient::None,
             discard_until_sync: None,
             skipping_to_sync: false,
             flushed: Flushed::No,
@@ -673,14 +695,20 @@ impl Session {
                 // Replies first: they free the client's buffers soonest.
                 biased;
                 r = server_readable.read(&mut sr, &mut sbuf), if read_server => {
-                    let n = r.map_err(SessionError::ServerIo)?;
+                    let n = match r {
+                        Ok(n) => n,
+                        Err(e) => return Err(self.server_lost(&mut cw, e).await),
+                    };
                     if n == 0 {
                         // The server closed: pass on whatever it said last.
                         if let Err(e) = self.on_server_bytes(&mut sbuf) {
                             return Err(self.fail(&mut cw, e).await);
                         }
-                        let _ = write_out(&mut cw, &self.to_client).await;
-                        return Err(SessionError::ServerIo(std::io::ErrorKind::UnexpectedEof.into()));
+                        let eof = std::io::Error::new(
+                            std::io::ErrorKind::UnexpectedEof,
+                            "the server closed the connection unexpectedly",
+                        );
+                        return Err(self.server_lost(&mut cw, eof).await);
                     }
                     let was_waiting = self.hold == Hold::Waiting;
                     if let Err(e) = self.on_server_bytes(&mut sbuf) {
@@ -702,7 +730,10 @@ impl Session {
                 }
                 // A write of nothing flushes TLS records the socket did not take before.
                 r = sw.write(&self.to_server), if !self.to_server.is_empty() || (server_tls && sw.pending()) => {
-                    let n = r.map_err(SessionError::ServerIo)?;
+                    let n = match r {
+                        Ok(n) => n,
+                        Err(e) => return Err(self.server_lost(&mut cw, e).await),
+                    };
                     self.to_server.advance(n);
                 }
                 r = cw.write(&self.to_client), if !self.to_client.is_empty() || (client_tls && cw.pending()) => {
@@ -723,7 +754,7 @@ impl Session {
                 match sw.try_write(&self.to_server) {
                     Ok(n) => self.to_server.advance(n),
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                    Err(e) => return Err(SessionError::ServerIo(e)),
+                    Err(e) => return Err(self.server_lost(&mut cw, e).await),
                 }
             }
             if !self.to_client.is_empty() {
@@ -741,6 +772,25 @@ impl Session {
     async fn fail(&mut self, cw: &mut crate::net::WriteHalf<'_>, e: SessionError) -> SessionError {
         e.to_client(&mut self.to_client);
         // A client that does not read cannot hold the session task forever.
+        let _ = crate::deadline::timeout(FAIL_WRITE_TIMEOUT, write_out(cw, &self.to_client)).await;
+        e
+    }
+
+    /// Ends the session over the server connection's end or failure. What the server sent
+    /// before goes to the client; then, unless that held the server's own FATAL error (an
+    /// administrator's termination, a timeout), a FATAL error of pgfence's saying that the
+    /// server connection was lost (08006): a server process that crashed or was killed, or a
+    /// network that failed, says nothing itself, and the client should not have to guess
+    /// whether pgfence or the server went away.
+    async fn server_lost(
+        &mut self,
+        cw: &mut crate::net::WriteHalf<'_>,
+        e: std::io::Error,
+    ) -> SessionError {
+        let e = SessionError::ServerIo(e);
+        if self.server_fatal.is_none() {
+            return self.fail(cw, e).await;
+        }
         let _ = crate::deadline::timeout(FAIL_WRITE_TIMEOUT, write_out(cw, &self.to_client)).await;
         e
     }
@@ -817,6 +867,11 @@ impl Session {
             at += len;
         }
         buf.advance(at);
+        if self.copy_from_client == CopyFromClient::MayStart && self.replies.is_empty() {
+            // Everything sent is answered without a CopyInResponse: the COPY failed, or never
+            // ran (an error before it).
+            self.copy_from_client = CopyFromClient::None;
+        }
         if self.flushed != Flushed::No && self.replies.is_empty() {
             if self.hold == Hold::Waiting {
                 // Answered, or skipped after an error of the client's earlier in the batch

@@ -11,7 +11,7 @@ use crate::error::SessionError;
 use crate::protocol::message::{self as msg, Backend};
 
 use super::replies::{AfterCheck, Injected, Origin, Pending, Request};
-use super::{CommitCheck, CopyIn, Flushed, Hold, Prepared, Session};
+use super::{CommitCheck, CopyFromClient, CopyIn, Flushed, Hold, Prepared, Session};
 
 /// `in_failed_sql_transaction`: the transaction had already failed before pgfence's check.
 const IN_FAILED_TRANSACTION: &[u8] = b"25P02";
@@ -102,6 +102,11 @@ impl Session {
             Backend::ReadyForQuery => self.on_ready(frame),
             Backend::CopyInResponse => {
                 self.on_copy_in_response();
+                if self.copy_from_client == CopyFromClient::MayStart {
+                    // (Not when the client already sent its CopyDone or CopyFail behind the
+                    // COPY, without waiting for this.)
+                    self.copy_from_client = CopyFromClient::Running;
+                }
                 self.forward_if_client(frame);
             }
             Backend::ParameterDescription
@@ -199,6 +204,10 @@ impl Session {
     // select-only transaction under callgrind).
     #[inline(never)]
     fn on_error(&mut self, frame: &[u8]) {
+        if self.copy_from_client == CopyFromClient::Running {
+            // The COPY failed: the server left copy-in mode (and drops copy data from now).
+            self.copy_from_client = CopyFromClient::None;
+        }
         if !self.fence.accepted.is_empty() {
             // Whatever failed, the transaction of the accepted tokens may not commit.
             self.settle_accepted(false);
@@ -460,13 +469,13 @@ impl Session {
         }
     }
 
-    /// A COPY FROM STDIN started. Sent with the extended protocol, the Syncs the client
-    /// sent after its Execute are ignored by the server and owe no ReadyForQuery.
+    /// A COPY FROM STDIN started. The Syncs the client sent after its Execute or Query (see
+    /// [`CopyFromClient`]) are ignored by the server and owe no ReadyForQuery.
     fn on_copy_in_response(&mut self) {
         if !self
             .replies
             .front()
-            .is_some_and(|p| p.request == Request::Execute)
+            .is_some_and(|p| matches!(p.request, Request::Execute | Request::Query))
         {
             return;
         }

@@ -1,0 +1,378 @@
+//! Mutated client messages after login, through the `pgfence` binary in front of a real
+//! PostgreSQL: pgfence must never panic, never hang, and never close a session quietly.
+//!
+//! `protocol_bad_input.rs` sends chosen bad frames; `protocol_random.rs` sends random but
+//! well-formed sessions. This test sits between them. Each session logs in (with a session
+//! token or not) and runs rounds of a few messages, each drawn from a corpus of the messages
+//! a client sends once logged in (Query, Parse, Bind, Describe, Execute, Close, Sync, Flush,
+//! FunctionCall, CopyData, CopyDone, CopyFail, Terminate), one in five mutated: body cut
+//! short, extended, bytes changed, a count or length replaced by an extreme value, string
+//! terminators removed, a body of random bytes; rarely an unknown tag or a bad length field.
+//! Frames always carry the length of what is sent, so that a reader waiting for the rest of
+//! a message is never what the test sees.
+//!
+//! After each round comes a probe: `CopyFail` (ends a COPY FROM STDIN the round started;
+//! ignored otherwise), `Sync`, `ROLLBACK; SELECT 'probe-N-a'`, `Sync`, `ROLLBACK; SELECT
+//! 'probe-N-b'` (the Syncs end what an error left to skip). The round passes when the second
+//! probe's row and ReadyForQuery arrive, or when the connection closes after a FATAL (or
+//! PANIC) ErrorResponse, or after the round's own Terminate. It fails on a close without an
+//! error, or on no answer within [`ROUND_TIMEOUT`]. At the end pgfence's log must hold no
+//! panic, and a new session must work.
+//!
+//! Sessions: `PGFENCE_FUZZ_SESSIONS` (default 1000) from seed `PGFENCE_FUZZ_FIRST_SEED`
+//! (default 1); a failure names its seed and the round's bytes.
+
+use std::time::Duration;
+
+use harness::wire::{self, Msg, RawConn, Read1};
+use harness::{PgCluster, Proxy, ProxyProcess, APP_DB, SUPERUSER};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// The message cap of this test's pgfence (`limits.max_message_size`).
+const MAX_MESSAGE: u32 = 64 * 1024;
+/// How long a round may take to be answered.
+const ROUND_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Statements of the corpus: reads, writes, transaction control, COPY both ways, fencing
+/// settings and comments, statements pgfence treats apart.
+const STATEMENTS: &[&str] = &[
+    "SELECT 1",
+    "SELECT n FROM fz",
+    "BEGIN",
+    "COMMIT",
+    "ROLLBACK",
+    "SAVEPOINT s",
+    "ROLLBACK TO SAVEPOINT s",
+    "INSERT INTO fz VALUES (1)",
+    "UPDATE fz SET n = n + 1",
+    "/* fencing_token=9 fencing_resource=fz */ UPDATE fz SET n = n + 1",
+    "DELETE FROM fz WHERE n > 100 /*fencing_resource='fz',fencing_token='9'*/",
+    "SET fencing.token = 5",
+    "SET fencing.resource = 'fz'",
+    "RESET fencing.token",
+    "COPY fz FROM STDIN",
+    "COPY fz TO STDOUT",
+    "DO $$BEGIN UPDATE fz SET n = 0 WHERE n < 0; END$$",
+    "PREPARE q AS SELECT 1",
+    "EXECUTE q",
+    "DEALLOCATE ALL",
+    "DISCARD ALL",
+    "LISTEN fz",
+    "NOTIFY fz",
+    "VACUUM fz",
+    "SELECT $1::int + 1",
+    "",
+];
+
+/// Names of statements and portals: unnamed, and one name reused.
+const NAMES: &[&str] = &["", "s1"];
+
+/// Values written into counts, lengths and oids.
+const EXTREMES_32: &[u32] = &[0xFFFF_FFFF, 0x7FFF_FFFF, 0x8000_0000, 0, 0xFFFF, 1 << 20];
+const EXTREMES_16: &[u16] = &[0xFFFF, 0x7FFF, 0x8000, 0];
+
+/// Safe functions for FunctionCall (their oids are looked up at the start).
+const FUNCTIONS: &[&str] = &["int4pl(int4,int4)", "lower(text)", "pg_backend_pid()"];
+
+struct Gen {
+    rng: StdRng,
+    functions: Vec<u32>,
+}
+
+impl Gen {
+    fn pick<T: Copy>(&mut self, items: &[T]) -> T {
+        items[self.rng.gen_range(0..items.len())]
+    }
+
+    /// A valid message of the corpus: (tag, body).
+    fn message(&mut self) -> (u8, Vec<u8>) {
+        let framed = match self.rng.gen_range(0..100) {
+            0..=17 => wire::query(self.pick(STATEMENTS).as_bytes()),
+            18..=31 => {
+                let name = self.pick(NAMES);
+                let sql = self.pick(STATEMENTS);
+                let types: Vec<u32> = (0..self.rng.gen_range(0..3)).map(|_| 23).collect();
+                wire::parse(name, sql, &types)
+            }
+            32..=45 => {
+                let portal = self.pick(NAMES);
+                let statement = self.pick(NAMES);
+                let params: Vec<Option<&[u8]>> = (0..self.rng.gen_range(0..3))
+                    .map(|i| if i == 1 { None } else { Some(&b"41"[..]) })
+                    .collect();
+                wire::bind(portal, statement, &params)
+            }
+            46..=51 => {
+                let kind = self.pick(b"SPx");
+                wire::describe(kind, self.pick(NAMES))
+            }
+            52..=63 => {
+                let rows = self.pick(&[0, 1, 2]);
+                wire::execute(self.pick(NAMES), rows)
+            }
+            64..=67 => {
+                let kind = self.pick(b"SPx");
+                wire::close(kind, self.pick(NAMES))
+            }
+            68..=77 => wire::sync(),
+            78..=81 => wire::flush(),
+            82..=86 => {
+                let oid = self.functions[self.rng.gen_range(0..self.functions.len())];
+                let args: Vec<Option<&[u8]>> = (0..self.rng.gen_range(0..3))
+                    .map(|_| Some(&b"7"[..]))
+                    .collect();
+                wire::function_call(oid, &args)
+            }
+            87..=92 => wire::copy_data(b"5\n"),
+            93..=95 => wire::copy_done(),
+            96..=98 => wire::copy_fail("fuzz"),
+            _ => wire::terminate(),
+        };
+        (framed[0], framed[5..].to_vec())
+    }
+
+    /// Changes `body` in one of several ways (or not at all). A FunctionCall keeps its
+    /// function's oid: an arbitrary function, called with arbitrary arguments, could sleep
+    /// or terminate backends.
+    fn mutate(&mut self, tag: u8, body: &mut Vec<u8>) {
+        let keep = if tag == b'F' { 4.min(body.len()) } else { 0 };
+        match self.rng.gen_range(0..12) {
+            0 if body.len() > keep => {
+                let at = self.rng.gen_range(keep..body.len());
+                body.truncate(at);
+            }
+            1 => {
+                for _ in 0..self.rng.gen_range(1..16) {
+                    body.push(self.rng.gen());
+                }
+            }
+            2 if body.len() > keep => {
+                for _ in 0..self.rng.gen_range(1..4) {
+                    let at = self.rng.gen_range(keep..body.len());
+                    body[at] = self.rng.gen();
+                }
+            }
+            3 if body.len() >= keep + 4 => {
+                let at = self.rng.gen_range(keep..=body.len() - 4);
+                let v = self.pick(EXTREMES_32);
+                body[at..at + 4].copy_from_slice(&v.to_be_bytes());
+            }
+            4 if body.len() >= keep + 2 => {
+                let at = self.rng.gen_range(keep..=body.len() - 2);
+                let v = self.pick(EXTREMES_16);
+                body[at..at + 2].copy_from_slice(&v.to_be_bytes());
+            }
+            5 => {
+                for b in body.iter_mut().skip(keep) {
+                    if *b == 0 {
+                        *b = b'x';
+                    }
+                }
+            }
+            6 if tag != b'F' => {
+                let len = self.rng.gen_range(0..64);
+                *body = (0..len).map(|_| self.rng.gen()).collect();
+            }
+            _ => {}
+        }
+    }
+
+    /// One round's messages, as bytes, and whether they hold a Terminate.
+    fn round(&mut self) -> (Vec<u8>, bool) {
+        let mut out = Vec::new();
+        let mut terminates = false;
+        for _ in 0..self.rng.gen_range(1..=8) {
+            let (mut tag, mut body) = self.message();
+            if self.rng.gen_bool(0.2) {
+                self.mutate(tag, &mut body);
+            }
+            match self.rng.gen_range(0..100) {
+                // An unknown or backend-only tag: pgfence refuses it (FATAL 08P01).
+                0 | 1 => tag = self.rng.gen(),
+                // A length field below its own size, or beyond the cap.
+                2 => {
+                    out.push(tag);
+                    let len: u32 = self.pick(&[0, 3, MAX_MESSAGE + 5, 0xFFFF_FFF0]);
+                    out.extend_from_slice(&len.to_be_bytes());
+                    return (out, terminates);
+                }
+                _ => {}
+            }
+            terminates |= tag == b'X';
+            out.extend(wire::frame(tag, &body));
+        }
+        (out, terminates)
+    }
+}
+
+/// What a round came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Outcome {
+    /// The probe was answered: the session goes on.
+    Answered,
+    /// The connection closed after a FATAL error with this message.
+    ClosedWithError(String),
+    /// The connection closed after the round's Terminate.
+    Terminated,
+}
+
+/// Sends the round's bytes and the probe, and reads until the probe's answer or the close.
+fn run_round(
+    conn: &mut RawConn,
+    bytes: &[u8],
+    terminates: bool,
+    n: usize,
+) -> Result<Outcome, String> {
+    let marker = format!("probe-{n}-b");
+    let mut all = bytes.to_vec();
+    all.extend(wire::copy_fail("probe"));
+    all.extend(wire::sync());
+    all.extend(wire::query(format!("ROLLBACK; SELECT 'probe-{n}-a'")));
+    all.extend(wire::sync());
+    all.extend(wire::query(format!("ROLLBACK; SELECT '{marker}'")));
+    // pgfence may close before it has read everything (a FATAL on the first bad frame).
+    let _ = conn.try_send(&all);
+    let mut seen: Vec<Msg> = Vec::new();
+    let mut probed = false;
+    loop {
+        match conn.next(ROUND_TIMEOUT) {
+            Ok(Read1::Msg(m)) => {
+                if m.tag == b'D' && m.body.windows(marker.len()).any(|w| w == marker.as_bytes()) {
+                    probed = true;
+                }
+                if probed && m.tag == b'Z' {
+                    return Ok(Outcome::Answered);
+                }
+                seen.push(m);
+            }
+            Ok(Read1::Closed) => {
+                let fatal = seen.last().filter(|m| {
+                    m.tag == b'E'
+                        && matches!(m.field(b'V').as_deref(), Some("FATAL") | Some("PANIC"))
+                });
+                return match (fatal, terminates) {
+                    (Some(m), _) => Ok(Outcome::ClosedWithError(m.field(b'M').unwrap_or_default())),
+                    (None, true) => Ok(Outcome::Terminated),
+                    (None, false) => Err(format!(
+                        "the connection closed without a FATAL error; last replies: {:?}",
+                        tail(&seen)
+                    )),
+                };
+            }
+            Err(e) => {
+                return Err(format!(
+                    "no answer to the probe within {ROUND_TIMEOUT:?} ({e}); last replies: {:?}",
+                    tail(&seen)
+                ))
+            }
+        }
+    }
+}
+
+fn tail(msgs: &[Msg]) -> &[Msg] {
+    &msgs[msgs.len().saturating_sub(6)..]
+}
+
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .map(|v| {
+            v.parse()
+                .unwrap_or_else(|_| panic!("{name}={v:?} is not a number"))
+        })
+        .unwrap_or(default)
+}
+
+#[test]
+fn mutated_messages_never_panic_hang_or_close_quietly() {
+    let sessions = env_or("PGFENCE_FUZZ_SESSIONS", 1000);
+    let first_seed = env_or("PGFENCE_FUZZ_FIRST_SEED", 1);
+    let cluster = PgCluster::start();
+    cluster.psql(APP_DB, &fence_core::sql::install_sql(None));
+    cluster.psql(APP_DB, "CREATE TABLE fz (n int)");
+    let functions: Vec<u32> = FUNCTIONS
+        .iter()
+        .map(|f| {
+            let oid = cluster.psql(APP_DB, &format!("SELECT '{f}'::regprocedure::oid"));
+            oid.trim().parse().expect("a function oid")
+        })
+        .collect();
+    let mut config = Proxy::config_for(&cluster);
+    config.limits.max_message_size = MAX_MESSAGE;
+    let proxy = ProxyProcess::builder()
+        .config(config)
+        .args(["--config", "{config}", "--threads", "2"])
+        .start();
+
+    let (mut answered, mut terminated) = (0u32, 0u32);
+    let mut fatal: std::collections::BTreeMap<String, u32> = Default::default();
+    let mut rounds = 0usize;
+    for seed in first_seed..first_seed + sessions {
+        let mut gen = Gen {
+            rng: StdRng::seed_from_u64(seed),
+            functions: functions.clone(),
+        };
+        // A statement that runs long (a changed digit in pg_sleep's argument, a lock) ends
+        // with an error instead of holding the round past its timeout.
+        let mut options = "-c statement_timeout=5s -c lock_timeout=2s".to_string();
+        if gen.rng.gen_bool(0.5) {
+            options.push_str(" -c fencing.token=7 -c fencing.resource=fz");
+        }
+        let mut conn = RawConn::login_with_options(proxy.addr(), SUPERUSER, APP_DB, &options);
+        for _ in 0..gen.rng.gen_range(1..=8) {
+            rounds += 1;
+            let (bytes, terminates) = gen.round();
+            let outcome = run_round(&mut conn, &bytes, terminates, rounds).unwrap_or_else(|e| {
+                panic!(
+                    "seed {seed} (PGFENCE_FUZZ_FIRST_SEED={seed} PGFENCE_FUZZ_SESSIONS=1): {e}\n\
+                     round's bytes: {bytes:?}\npgfence's log:\n{}",
+                    proxy.logs()
+                )
+            });
+            let goes_on = outcome == Outcome::Answered;
+            match outcome {
+                Outcome::Answered => answered += 1,
+                Outcome::Terminated => terminated += 1,
+                Outcome::ClosedWithError(message) => {
+                    // Grouped by what the error says, without the variable part.
+                    let reason = match message.find("message type") {
+                        Some(at) => &message[..at + "message type".len()],
+                        None => message.split(':').next().unwrap_or_default(),
+                    };
+                    let reason = reason.to_string();
+                    *fatal.entry(reason).or_default() += 1;
+                }
+            }
+            if !goes_on {
+                break;
+            }
+        }
+    }
+    let closed: u32 = fatal.values().sum();
+    eprintln!(
+        "{sessions} sessions from seed {first_seed}, {rounds} rounds: {answered} answered, \
+         {closed} closed with a FATAL error, {terminated} ended by their Terminate"
+    );
+    for (reason, n) in &fatal {
+        eprintln!("  {n:5}  FATAL {reason}");
+    }
+
+    let logs = proxy.logs();
+    assert!(
+        !logs.contains("panicked") && !logs.contains("pgfence bug"),
+        "pgfence panicked:\n{logs}"
+    );
+    // The generator reaches both kinds of outcome, or it tests less than it claims.
+    if sessions >= 50 {
+        assert!(answered > 0 && closed > 0, "{answered} answered, {fatal:?}");
+    }
+    let (mut conn, _) = RawConn::login(proxy.addr(), SUPERUSER, APP_DB);
+    conn.send(&wire::query("SELECT 'still serving'"));
+    let rows: Vec<_> = conn
+        .until_ready()
+        .iter()
+        .filter_map(|m| m.data_row())
+        .collect();
+    assert_eq!(rows, vec![vec![Some(b"still serving".to_vec())]]);
+}
