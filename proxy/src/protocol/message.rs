@@ -66,59 +66,75 @@ impl Frontend {
     }
 }
 
-/// Whether a client message's body holds what PostgreSQL reads from it, and nothing more:
-/// strings terminated, every count followed by as many items, lengths -1 (NULL) or within
-/// the message. PostgreSQL refuses a message that does not (`ERROR 08P01 invalid message
-/// format`), but as an ERROR in place of the message's replies: a Sync or Flush refused that
-/// way owes nothing it would have (a Sync's ReadyForQuery never comes, and the server then
-/// skips to the next Sync), and pgfence, which reads these messages and counts the replies
-/// owed, would wait for replies that never come. So pgfence refuses such a message itself,
-/// as input it cannot follow (FATAL 08P01, SPEC section 8). Copy messages, Terminate and
-/// password messages are not checked: the server reads them only where their content is
-/// free-form, or not at all.
+/// Whether a client message that pgfence forwards without reading (Describe, Sync, Flush,
+/// FunctionCall) holds what PostgreSQL reads from it, and nothing more. The messages pgfence
+/// reads are checked the same way by the functions that read them ([`query_text`],
+/// [`parse_message`], [`bind_names`], [`execute_portal`], [`target`]); copy messages,
+/// Terminate and password messages by nobody: the server reads them only where their
+/// content is free-form, or not at all.
+///
+/// PostgreSQL refuses a malformed message (`ERROR 08P01 invalid message format`), but as an
+/// ERROR in place of the message's replies: a Sync or Flush refused that way owes nothing it
+/// would have (a Sync's ReadyForQuery never comes, and the server then skips to the next
+/// Sync), and pgfence, which counts the replies owed, would wait for replies that never
+/// come. So pgfence refuses such a message itself, as input it cannot follow (FATAL 08P01,
+/// SPEC section 8).
 pub fn well_formed(kind: Frontend, frame: &[u8]) -> bool {
-    let mut b = Reader(body(frame));
-    let read = match kind {
-        Frontend::Query => b.cstr(),
-        Frontend::Parse => b.cstr().and_then(|()| b.cstr()).and_then(|()| {
-            let n = b.count()?;
-            b.skip(4 * n)
-        }),
-        Frontend::Bind => b
-            .cstr()
-            .and_then(|()| b.cstr())
-            .and_then(|()| b.formats())
-            .and_then(|()| b.values())
-            .and_then(|()| b.formats()),
-        Frontend::Execute => b.cstr().and_then(|()| b.skip(4)),
-        Frontend::Describe | Frontend::Close => b.skip(1).and_then(|()| b.cstr()),
-        Frontend::Sync | Frontend::Flush => Some(()),
-        Frontend::FunctionCall => b
-            .skip(4)
-            .and_then(|()| b.formats())
-            .and_then(|()| b.values())
-            .and_then(|()| b.skip(2)),
-        Frontend::CopyData
+    match kind {
+        Frontend::Describe => target(frame).is_some(),
+        Frontend::Sync | Frontend::Flush => frame.len() == 5,
+        Frontend::FunctionCall => {
+            let mut r = Reader(body(frame));
+            r.skip(4)
+                .and_then(|()| r.formats())
+                .and_then(|()| r.values())
+                .and_then(|()| r.skip(2))
+                .and_then(|()| r.end())
+                .is_some()
+        }
+        Frontend::Query
+        | Frontend::Parse
+        | Frontend::Bind
+        | Frontend::Execute
+        | Frontend::Close
+        | Frontend::CopyData
         | Frontend::CopyDone
         | Frontend::CopyFail
         | Frontend::Terminate
-        | Frontend::Password => return true,
-    };
-    read.is_some() && b.0.is_empty()
+        | Frontend::Password => true,
+    }
 }
 
-/// Reads a message body front to back, as PostgreSQL's `pq_getmsg*` functions do.
+/// Reads a message body front to back, as PostgreSQL's `pq_getmsg*` functions do: `None`
+/// where the body ends too soon.
 struct Reader<'a>(&'a [u8]);
 
-impl Reader<'_> {
+impl<'a> Reader<'a> {
     fn skip(&mut self, n: usize) -> Option<()> {
         self.0 = self.0.get(n..)?;
         Some(())
     }
 
-    fn cstr(&mut self) -> Option<()> {
-        self.0 = cstr(self.0)?.1;
-        Some(())
+    fn byte(&mut self) -> Option<u8> {
+        let (&b, rest) = self.0.split_first()?;
+        self.0 = rest;
+        Some(b)
+    }
+
+    /// A NUL-terminated string of any length (SQL text): memchr.
+    fn cstr(&mut self) -> Option<&'a [u8]> {
+        let (s, rest) = cstr(self.0)?;
+        self.0 = rest;
+        Some(s)
+    }
+
+    /// A NUL-terminated statement or portal name: a byte loop, which for the few bytes of a
+    /// name costs less than memchr's setup.
+    fn name(&mut self) -> Option<&'a [u8]> {
+        let end = self.0.iter().position(|&b| b == 0)?;
+        let (s, rest) = (&self.0[..end], &self.0[end + 1..]);
+        self.0 = rest;
+        Some(s)
     }
 
     /// An Int16 count (PostgreSQL reads it unsigned).
@@ -145,6 +161,11 @@ impl Reader<'_> {
             }
         }
         Some(())
+    }
+
+    /// Nothing may follow (PostgreSQL's `pq_getmsgend`).
+    fn end(&self) -> Option<()> {
+        self.0.is_empty().then_some(())
     }
 }
 
@@ -224,36 +245,56 @@ pub fn body(frame: &[u8]) -> &[u8] {
     frame.get(5..).unwrap_or_default()
 }
 
-/// SQL text of a Query message (without the terminating NUL), or `None` if malformed.
+/// SQL text of a Query message (without the terminating NUL), or `None` if malformed
+/// (no NUL, or bytes after it).
 pub fn query_text(frame: &[u8]) -> Option<&[u8]> {
-    cstr(body(frame)).map(|(sql, _)| sql)
+    let mut r = Reader(body(frame));
+    let sql = r.cstr()?;
+    r.end()?;
+    Some(sql)
 }
 
-/// `(statement name, SQL)` of a Parse message.
+/// `(statement name, SQL)` of a Parse message, or `None` if malformed.
 pub fn parse_message(frame: &[u8]) -> Option<(&[u8], &[u8])> {
-    let (name, rest) = cstr(body(frame))?;
-    let (sql, _) = cstr(rest)?;
+    let mut r = Reader(body(frame));
+    let name = r.name()?;
+    let sql = r.cstr()?;
+    let types = r.count()?;
+    r.skip(4 * types)?;
+    r.end()?;
     Some((name, sql))
 }
 
-/// `(portal name, statement name)` of a Bind message.
+/// `(portal name, statement name)` of a Bind message, or `None` if malformed (its
+/// parameter formats, values and result formats are checked too, not read).
 pub fn bind_names(frame: &[u8]) -> Option<(&[u8], &[u8])> {
-    let (portal, rest) = cstr(body(frame))?;
-    let (statement, _) = cstr(rest)?;
+    let mut r = Reader(body(frame));
+    let portal = r.name()?;
+    let statement = r.name()?;
+    r.formats()?;
+    r.values()?;
+    r.formats()?;
+    r.end()?;
     Some((portal, statement))
 }
 
-/// `(kind, name)` of a Close or Describe message: kind `S` (statement) or `P` (portal).
+/// `(kind, name)` of a Close or Describe message (kind `S`, statement, or `P`, portal, as
+/// the client wrote it), or `None` if malformed.
 pub fn target(frame: &[u8]) -> Option<(u8, &[u8])> {
-    let b = body(frame);
-    let (&kind, rest) = b.split_first()?;
-    let (name, _) = cstr(rest)?;
+    let mut r = Reader(body(frame));
+    let kind = r.byte()?;
+    let name = r.name()?;
+    r.end()?;
     Some((kind, name))
 }
 
-/// Portal name of an Execute message.
+/// Portal name of an Execute message, or `None` if malformed.
 pub fn execute_portal(frame: &[u8]) -> Option<&[u8]> {
-    cstr(body(frame)).map(|(p, _)| p)
+    let mut r = Reader(body(frame));
+    let portal = r.name()?;
+    r.skip(4)?;
+    r.end()?;
+    Some(portal)
 }
 
 /// Transaction status byte of a ReadyForQuery message (`I`, `T` or `E`).

@@ -9,7 +9,6 @@ use fence_core::lexer::LexOptions;
 use crate::error::SessionError;
 use crate::protocol::message::{self as msg, Frontend};
 
-use super::query::is_copy_from_stdin;
 use super::replies::{AfterCheck, Origin, Request};
 use super::tx::View;
 use super::{CommitCheck, CopyFromClient, CopyIn, Flow, Flushed, Hold, Session};
@@ -75,7 +74,7 @@ impl Session {
                     self.shared.stats.queries.add();
                     // Only a Query that went upstream starts anything (the fast path may
                     // answer a stale one without a round trip).
-                    if self.to_server.len() > queued && query_may_copy_in(frame, self.lex) {
+                    if self.to_server.len() > queued && self.query_copies_in {
                         self.copy_from_client = CopyFromClient::MayStart;
                     }
                 }
@@ -351,25 +350,4 @@ impl Session {
         self.forward(frame, Request::FunctionCall);
         Flow::Continue
     }
-}
-
-/// Whether a Query holds a `COPY ... FROM STDIN`. Cheap for the Queries that do not: only a
-/// text that mentions `stdin` (in any case) is split into statements.
-#[inline]
-fn query_may_copy_in(frame: &[u8], lex: LexOptions) -> bool {
-    let Some(sql) = msg::query_text(frame) else {
-        return false;
-    };
-    let mentions_stdin = memchr::memchr2_iter(b'n', b'N', sql)
-        .any(|i| i >= 4 && sql[i - 4..i].eq_ignore_ascii_case(b"stdi"));
-    mentions_stdin && statements_copy_in(sql, lex)
-}
-
-#[cold]
-#[inline(never)]
-fn statements_copy_in(sql: &[u8], lex: LexOptions) -> bool {
-    analyze_with(sql, lex)
-        .statements
-        .iter()
-        .any(|s| is_copy_from_stdin(s.text(sql), lex))
 }

@@ -491,6 +491,9 @@ pub(crate) struct Session {
     /// Whether the client may be in the middle of a `COPY ... FROM STDIN` (see
     /// [`CopyFromClient`]).
     copy_from_client: CopyFromClient,
+    /// Whether the Query being handled holds a `COPY ... FROM STDIN` (set by `on_query`,
+    /// read when it returns).
+    query_copies_in: bool,
     /// After a failed precheck of an extended-protocol batch: drop client messages up to
     /// the Sync, answer it with ReadyForQuery of this status.
     discard_until_sync: Option<u8>,
@@ -596,6 +599,7 @@ impl Session {
             hold: Hold::None,
             copy_through: false,
             copy_from_client: CopyFromClient::None,
+            query_copies_in: false,
             discard_until_sync: None,
             skipping_to_sync: false,
             flushed: Flushed::No,

@@ -13,6 +13,22 @@ use super::replies::{AfterCheck, Injected, Origin, QueryPlan, Request};
 use super::tx::{SimplePlan, View};
 use super::{CommitCheck, Flow, Flushed, Hold, Remembered, Session};
 
+/// Whether a statement starting at `sql` may be a `COPY` (cheap: its first word, or a
+/// comment before it).
+#[inline]
+fn may_be_copy(sql: &[u8]) -> bool {
+    match sql {
+        [b'/', b'*', ..] | [b'-', b'-', ..] => true,
+        [c, o, p, y, rest @ ..] => {
+            [*c, *o, *p, *y].eq_ignore_ascii_case(b"copy")
+                && !rest
+                    .first()
+                    .is_some_and(|b| b.is_ascii_alphanumeric() || *b == b'_' || *b >= 0x80)
+        }
+        _ => false,
+    }
+}
+
 /// Whether `sql` is `COPY ... FROM STDIN`: `COPY` first, then `FROM STDIN` outside
 /// parentheses (so not the `FROM` of `COPY (SELECT ... FROM t) TO STDOUT`).
 pub(super) fn is_copy_from_stdin(sql: &[u8], options: LexOptions) -> bool {
@@ -63,6 +79,11 @@ impl Session {
         // Analysed where it lies, without the copies a prepared statement keeps.
         let analysis = &self.analyze(sql);
         self.note_query(sql, analysis);
+        self.query_copies_in = analysis.statements.iter().any(|s| {
+            s.kind == StatementKind::MayWrite
+                && may_be_copy(&sql[s.start..])
+                && is_copy_from_stdin(s.text(sql), self.lex)
+        });
         if !self.fence.enabled {
             if analysis.tx_control() {
                 self.tx.view = View::Unknown;
@@ -385,7 +406,7 @@ impl Session {
 
 #[cfg(test)]
 mod tests {
-    use super::is_copy_from_stdin;
+    use super::{is_copy_from_stdin, may_be_copy};
 
     #[test]
     fn copy_from_stdin_is_recognised() {
@@ -401,5 +422,20 @@ mod tests {
         assert!(!yes("SELECT 'COPY t FROM STDIN'"));
         assert!(!yes("SELECT 1; COPY t FROM STDIN"));
         assert!(!yes(""));
+    }
+
+    #[test]
+    fn only_statements_that_may_be_copy_are_looked_at() {
+        let may = |sql: &str| may_be_copy(sql.as_bytes());
+        assert!(may("COPY t FROM STDIN"));
+        assert!(may("copy(x)"));
+        assert!(may("CoPy"));
+        assert!(may("/* c */ COPY t FROM STDIN"));
+        assert!(may("-- c\nCOPY t FROM STDIN"));
+        assert!(!may("COPYX t"));
+        assert!(!may("copy_t"));
+        assert!(!may("UPDATE t SET a = 1"));
+        assert!(!may("cop"));
+        assert!(!may(""));
     }
 }
