@@ -21,8 +21,18 @@
 //!
 //! Sessions: `PGFENCE_FUZZ_SESSIONS` (default 1000) from seed `PGFENCE_FUZZ_FIRST_SEED`
 //! (default 1); a failure names its seed and the round's bytes.
+//!
+//! [`mutated_startup_packets_never_panic_or_hang`] does the same for the first packet of a
+//! connection: StartupMessages (with fencing options, some invalid), SSLRequest,
+//! GSSENCRequest and CancelRequest, mutated alike, one per connection. Each connection must
+//! end within [`ROUND_TIMEOUT`]: logged in (then Terminate), or closed after a FATAL
+//! error (a packet cut short meets the startup timeout of 1 s; protocol 2 gets that
+//! protocol's error format), or, for a CancelRequest, closed without a word as PostgreSQL
+//! does. `PGFENCE_FUZZ_STARTUPS` (default 2000).
 
-use std::time::Duration;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
 
 use harness::wire::{self, Msg, RawConn, Read1};
 use harness::{PgCluster, Proxy, ProxyProcess, APP_DB, SUPERUSER};
@@ -367,6 +377,235 @@ fn mutated_messages_never_panic_hang_or_close_quietly() {
     if sessions >= 50 {
         assert!(answered > 0 && closed > 0, "{answered} answered, {fatal:?}");
     }
+    let (mut conn, _) = RawConn::login(proxy.addr(), SUPERUSER, APP_DB);
+    conn.send(&wire::query("SELECT 'still serving'"));
+    let rows: Vec<_> = conn
+        .until_ready()
+        .iter()
+        .filter_map(|m| m.data_row())
+        .collect();
+    assert_eq!(rows, vec![vec![Some(b"still serving".to_vec())]]);
+}
+
+/// A first packet of the corpus.
+fn startup_packet(rng: &mut StdRng) -> Vec<u8> {
+    let options: &[&[u8]] = &[
+        b"",
+        b"-c fencing.token=7 -c fencing.resource=fz",
+        b"-c fencing.token=-1",
+        b"-c fencing.token=99999999999999999999 -c fencing.resource=fz",
+        b"-c fencing.resource=bad/name",
+        b"-c statement_timeout=5s",
+    ];
+    match rng.gen_range(0..10) {
+        0 => wire::ssl_request(),
+        1 => wire::gssenc_request(),
+        2 => wire::cancel_request(rng.gen(), rng.gen()),
+        _ => {
+            let option = options[rng.gen_range(0..options.len())];
+            let mut params: Vec<(&str, &[u8])> = vec![("user", SUPERUSER.as_bytes())];
+            if rng.gen_bool(0.8) {
+                params.push(("database", APP_DB.as_bytes()));
+            }
+            if !option.is_empty() {
+                params.push(("options", option));
+            }
+            if rng.gen_bool(0.2) {
+                params.push(("application_name", b"fuzz"));
+            }
+            if rng.gen_bool(0.05) {
+                params.push(("replication", b"database"));
+            }
+            wire::startup_version(wire::PROTOCOL_3_0, &params)
+        }
+    }
+}
+
+/// Changes a first packet: its body (after the length) cut, extended, bytes changed, its
+/// version or request code replaced, string terminators removed; the length field is
+/// kept true but for rare extreme values.
+fn mutate_startup(rng: &mut StdRng, packet: &mut Vec<u8>) {
+    let body_len = packet.len() - 4;
+    match rng.gen_range(0..8) {
+        0 if body_len > 0 => packet.truncate(4 + rng.gen_range(0..body_len)),
+        1 => {
+            for _ in 0..rng.gen_range(1..16) {
+                packet.push(rng.gen());
+            }
+        }
+        2 if body_len > 0 => {
+            for _ in 0..rng.gen_range(1..4) {
+                let at = 4 + rng.gen_range(0..body_len);
+                packet[at] = rng.gen();
+            }
+        }
+        3 if body_len >= 4 => {
+            let code: u32 = match rng.gen_range(0..4) {
+                0 => rng.gen(),
+                1 => 2 << 16,
+                2 => (3 << 16) | 2,
+                _ => 1234 << 16 | rng.gen_range(5670..5682),
+            };
+            packet[4..8].copy_from_slice(&code.to_be_bytes());
+        }
+        4 => {
+            for b in packet.iter_mut().skip(8) {
+                if *b == 0 {
+                    *b = b'x';
+                }
+            }
+        }
+        _ => {}
+    }
+    let len = u32::try_from(packet.len()).expect("small packet");
+    let len = if rng.gen_bool(0.05) {
+        *[0u32, 4, 7, 0x7FFF_FFFF, 0xFFFF_FFFF, len + 100]
+            .get(rng.gen_range(0..6))
+            .unwrap()
+    } else {
+        len
+    };
+    packet[..4].copy_from_slice(&len.to_be_bytes());
+}
+
+/// Sends one first packet and reads until the connection ends. `Err` on a hang, or an
+/// end that is neither a login, nor a FATAL error, nor a cancel's silent close.
+fn run_startup(proxy: SocketAddr, packet: &[u8], cancel: bool) -> Result<(), String> {
+    let mut conn = TcpStream::connect(proxy).map_err(|e| format!("connect: {e}"))?;
+    // pgfence may close before it has read everything.
+    let _ = conn.write_all(packet);
+    let deadline = Instant::now() + ROUND_TIMEOUT;
+    let mut got = Vec::new();
+    let mut logged_in = false;
+    let mut answered = false;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(format!("no end within {ROUND_TIMEOUT:?}; received {got:?}"));
+        }
+        conn.set_read_timeout(Some(left))
+            .map_err(|e| e.to_string())?;
+        let mut chunk = [0u8; 8192];
+        match conn.read(&mut chunk) {
+            Ok(0) => break,
+            Ok(n) => got.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(e) => return Err(format!("read: {e}")),
+        }
+        // An encryption request is answered with one byte before any message.
+        let messages = match got.first() {
+            Some(b'N' | b'S') if got.len() == 1 || !got[1..].starts_with(b"E") => &got[1..],
+            _ => &got[..],
+        };
+        if !logged_in && complete(messages).iter().any(|m| m.tag == b'Z') {
+            logged_in = true;
+            let _ = conn.write_all(&wire::terminate());
+        }
+        if !answered && got.len() == 1 && matches!(got[0], b'N' | b'S') {
+            // Declined (or TLS offered, which this client does not take): log in in plain
+            // text, as libpq does after an `N`.
+            answered = true;
+            let _ = conn.write_all(&wire::startup(SUPERUSER, APP_DB));
+        }
+    }
+    let messages = match got.first() {
+        Some(b'N' | b'S') => &got[1..],
+        _ => &got[..],
+    };
+    let msgs = complete(messages);
+    let fatal = msgs.last().is_some_and(|m| {
+        m.tag == b'E' && matches!(m.field(b'V').as_deref(), Some("FATAL") | Some("PANIC"))
+    });
+    // A protocol 2 request is refused in that protocol's format, as PostgreSQL does.
+    let fatal_v2 = got.starts_with(b"EFATAL:") && got.ends_with(b"\0");
+    if logged_in || fatal || fatal_v2 || (cancel && got.is_empty()) {
+        Ok(())
+    } else {
+        Err(format!(
+            "closed without a FATAL error or a login; received {got:?}"
+        ))
+    }
+}
+
+/// The complete messages at the front of `bytes`.
+fn complete(mut bytes: &[u8]) -> Vec<Msg> {
+    let mut out = Vec::new();
+    while bytes.len() >= 5 {
+        let len = u32::from_be_bytes([bytes[1], bytes[2], bytes[3], bytes[4]]) as usize;
+        if len < 4 || bytes.len() < 1 + len {
+            break;
+        }
+        out.push(Msg {
+            tag: bytes[0],
+            body: bytes[5..1 + len].to_vec(),
+        });
+        bytes = &bytes[1 + len..];
+    }
+    out
+}
+
+#[test]
+fn mutated_startup_packets_never_panic_or_hang() {
+    let packets = env_or("PGFENCE_FUZZ_STARTUPS", 2000);
+    let first_seed = env_or("PGFENCE_FUZZ_FIRST_SEED", 1);
+    let cluster = PgCluster::start();
+    cluster.psql(APP_DB, &fence_core::sql::install_sql(None));
+    let mut config = Proxy::config_for(&cluster);
+    config.limits.startup_timeout = Duration::from_secs(1);
+    let proxy = ProxyProcess::builder()
+        .config(config)
+        .args(["--config", "{config}", "--threads", "2"])
+        .start();
+    // Eight connections at a time: a packet cut short waits for the startup timeout.
+    let failures: Vec<String> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..8)
+            .map(|worker| {
+                let proxy = proxy.addr();
+                scope.spawn(move || {
+                    let mut failures = Vec::new();
+                    for seed in (first_seed..first_seed + packets).skip(worker).step_by(8) {
+                        let mut rng = StdRng::seed_from_u64(seed);
+                        let mut packet = startup_packet(&mut rng);
+                        if rng.gen_bool(0.5) {
+                            mutate_startup(&mut rng, &mut packet);
+                        }
+                        // A cancel is closed without a word, as PostgreSQL closes it,
+                        // whatever it holds.
+                        let cancel =
+                            packet.get(4..8) == Some(&wire::CANCEL_REQUEST_CODE.to_be_bytes()[..]);
+                        if let Err(e) = run_startup(proxy, &packet, cancel) {
+                            failures.push(format!(
+                                "seed {seed} (PGFENCE_FUZZ_FIRST_SEED={seed} \
+                                 PGFENCE_FUZZ_STARTUPS=1): {e}\npacket: {packet:?}"
+                            ));
+                        }
+                    }
+                    failures
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().expect("a worker"))
+            .collect()
+    });
+    assert!(
+        failures.is_empty(),
+        "{} of {packets} first packets failed:\n{}\npgfence's log:\n{}",
+        failures.len(),
+        failures.join("\n"),
+        proxy.logs()
+    );
+    let logs = proxy.logs();
+    assert!(
+        !logs.contains("panicked") && !logs.contains("pgfence bug"),
+        "pgfence panicked:\n{logs}"
+    );
     let (mut conn, _) = RawConn::login(proxy.addr(), SUPERUSER, APP_DB);
     conn.send(&wire::query("SELECT 'still serving'"));
     let rows: Vec<_> = conn
