@@ -5,6 +5,7 @@
 //! Simple query protocol only (psql, `simple_query`).
 
 use std::sync::atomic::Ordering;
+use std::sync::PoisonError;
 use std::time::SystemTime;
 
 use bytes::{BufMut, BytesMut};
@@ -132,7 +133,10 @@ pub fn answer(shared: &Shared, admin: &str, sql: &[u8], out: &mut BytesMut) -> A
             table(out, &["command", "description"], &rows, "SHOW");
         }
         Command::Rejections => {
-            let log = shared.rejections.lock().expect("rejection log poisoned");
+            let log = shared
+                .rejections
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
             let rows: Vec<Vec<String>> = log
                 .iter()
                 .rev()

@@ -65,6 +65,9 @@ pub enum SessionError {
     CertificateUserMismatch { user: String, cn: String },
     #[error("SCRAM channel binding cannot pass through pgfence: the client uses TLS to pgfence and pgfence uses its own TLS connection to the server")]
     ChannelBindingThroughProxy,
+    /// A panic in the session's protocol logic, with its message.
+    #[error("pgfence internal error: {0}")]
+    Bug(String),
 }
 
 impl SessionError {
@@ -93,7 +96,8 @@ impl SessionError {
             | SessionError::Shutdown
             | SessionError::Killed
             | SessionError::NotAdmin(_)
-            | SessionError::UnsupportedEncoding(_) => Side::Proxy,
+            | SessionError::UnsupportedEncoding(_)
+            | SessionError::Bug(_) => Side::Proxy,
         }
     }
 
@@ -121,7 +125,8 @@ impl SessionError {
             SessionError::ClientIo(_)
             | SessionError::TlsHandshake(_)
             | SessionError::ServerFrame(_)
-            | SessionError::UnexpectedServerMessage(_) => "XX000",
+            | SessionError::UnexpectedServerMessage(_)
+            | SessionError::Bug(_) => "XX000",
         }
     }
 
@@ -132,6 +137,9 @@ impl SessionError {
             ),
             SessionError::ServerIo(_) => Some(
                 "The server process may have crashed or been terminated, or the network to it failed: see the server's log. A COMMIT that was in flight may or may not have committed.",
+            ),
+            SessionError::Bug(_) => Some(
+                "This is a bug in pgfence, not in the application: pgfence's log has its details (\"pgfence bug\"); please report it. This session's server connection was closed, so an open transaction rolled back; other sessions go on.",
             ),
             SessionError::ChannelBindingThroughProxy => Some(
                 "Connect with channel_binding=disable: pgfence hides SCRAM-SHA-256-PLUS when its connection to the server uses TLS.",

@@ -8,6 +8,7 @@ pub mod admin;
 pub mod cancel;
 mod deadline;
 pub mod error;
+mod failpoint;
 pub mod install;
 pub mod metrics;
 pub mod net;

@@ -3,7 +3,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::SystemTime;
 
 use dashmap::DashMap;
@@ -72,7 +72,7 @@ impl Shared {
 
     /// Remembers where the configuration comes from, so that it can be reloaded.
     pub fn set_source(&self, source: Source) {
-        *self.source.lock().expect("config source lock poisoned") = Some(source);
+        *self.source.lock().unwrap_or_else(PoisonError::into_inner) = Some(source);
     }
 
     /// Reads the configuration again and puts it in force for new sessions. A file that
@@ -81,7 +81,7 @@ impl Shared {
         let source = self
             .source
             .lock()
-            .expect("config source lock poisoned")
+            .unwrap_or_else(PoisonError::into_inner)
             .clone();
         let Some(source) = source else {
             return Err(
@@ -162,15 +162,18 @@ impl Shared {
 
     /// The configuration new sessions use.
     pub fn config(&self) -> Arc<Config> {
-        self.config.read().expect("config lock poisoned").clone()
+        self.config
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     /// Puts a new configuration in force for new sessions, with the TLS certificate and
     /// key its files hold now. A certificate or key that cannot be used changes nothing.
     pub fn set_config(&self, config: Arc<Config>) -> Result<(), String> {
         let tls = TlsConfigs::new(&config)?;
-        *self.tls.write().expect("TLS config lock poisoned") = tls;
-        *self.config.write().expect("config lock poisoned") = config;
+        *self.tls.write().unwrap_or_else(PoisonError::into_inner) = tls;
+        *self.config.write().unwrap_or_else(PoisonError::into_inner) = config;
         Ok(())
     }
 
@@ -178,7 +181,7 @@ impl Shared {
     pub fn client_tls(&self) -> Option<Arc<rustls::ServerConfig>> {
         self.tls
             .read()
-            .expect("TLS config lock poisoned")
+            .unwrap_or_else(PoisonError::into_inner)
             .client
             .clone()
     }
@@ -187,7 +190,7 @@ impl Shared {
     pub fn upstream_tls(&self) -> Option<Arc<rustls::ClientConfig>> {
         self.tls
             .read()
-            .expect("TLS config lock poisoned")
+            .unwrap_or_else(PoisonError::into_inner)
             .upstream
             .clone()
     }
@@ -199,7 +202,10 @@ impl Shared {
 
     /// Keeps a rejection for `SHOW REJECTIONS`.
     pub fn remember_rejection(&self, record: RejectionRecord) {
-        let mut log = self.rejections.lock().expect("rejection log poisoned");
+        let mut log = self
+            .rejections
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         if log.len() == REJECTIONS_KEPT {
             log.pop_front();
         }

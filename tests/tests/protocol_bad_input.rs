@@ -22,6 +22,9 @@
 //! - [`a_backend_that_dies_gives_fatal_08006`]: a server process killed mid-session (it
 //!   says nothing): the client gets pgfence's FATAL 08006 with a hint; a server's own FATAL
 //!   (an idle-session timeout) reaches the client alone.
+//! - [`a_session_that_panics_gets_fatal_xx000_and_the_others_go_on`]: a bug's panic in one
+//!   session (a failpoint of debug builds) ends that session alone, with FATAL XX000; its
+//!   open transaction rolls back, `SHOW CLIENTS` forgets it, the log says what and who.
 //! - [`the_binary_s_worker_threads_time_out_silent_clients`]: the same startup timeout in
 //!   the `pgfence` binary, whose sessions run on worker threads (runtimes of their own).
 
@@ -700,6 +703,71 @@ fn login_after_restart(proxy: SocketAddr) -> RawConn {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// The Query that makes a debug build of pgfence panic (`PGFENCE_TEST_PANIC`, see
+/// `proxy/src/failpoint.rs`).
+const PANIC_SQL: &str = "SELECT 'pgfence test: panic here'";
+
+#[test]
+fn a_session_that_panics_gets_fatal_xx000_and_the_others_go_on() {
+    let cluster = PgCluster::start();
+    install_fence(&cluster);
+    let mut config = Proxy::config_for(&cluster);
+    config.pool.reuse_servers = false;
+    config.admin.users = vec![SUPERUSER.into()];
+    let proxy = ProxyProcess::builder()
+        .config(config)
+        .args(["--config", "{config}", "--threads", "2"])
+        .env("PGFENCE_TEST_PANIC", PANIC_SQL)
+        .start();
+    let mut bystanders = Bystanders::start(proxy.addr(), &cluster);
+    let backends = other_backends(&cluster);
+
+    let (mut conn, _) = RawConn::login(proxy.addr(), SUPERUSER, APP_DB);
+    conn.send(&wire::query("BEGIN; INSERT INTO bystander VALUES (100)"));
+    conn.until_ready();
+    conn.send(&wire::query(PANIC_SQL));
+    let replies = conn.until_closed();
+    assert_eq!(
+        replies.len(),
+        1,
+        "one FATAL error, then the close (the failpoint needs a debug build of pgfence): \
+         {replies:?}"
+    );
+    let message = assert_error(&replies[0], "FATAL", "XX000");
+    assert_eq!(
+        message,
+        "pgfence internal error: PGFENCE_TEST_PANIC: a panic the test asked for"
+    );
+    let hint = replies[0].field(b'H').unwrap_or_default();
+    assert!(hint.contains("bug in pgfence"), "{hint}");
+    // Its server connection is closed, not kept: the open transaction rolls back (the
+    // bystanders' row count below leaves no room for its row).
+    wait_for_backends(&cluster, backends, "the session that panicked");
+    bystanders.check("a session that panicked");
+
+    // The console lists the bystanders and itself, not the session that panicked.
+    let (mut console, _) = RawConn::login(proxy.addr(), SUPERUSER, "pgfence");
+    console.send(&wire::query("SHOW CLIENTS"));
+    let replies = console.until_ready();
+    let rows = replies.iter().filter(|m| m.data_row().is_some()).count();
+    assert_eq!(rows, 3, "{replies:?}");
+
+    // The log says what failed and where (the panic hook), and whose session it was.
+    let logs = proxy.logs();
+    assert!(
+        logs.contains("pgfence bug: a thread panicked") && logs.contains("failpoint.rs"),
+        "{logs}"
+    );
+    assert!(
+        logs.lines()
+            .any(|l| l.contains("pgfence bug: a session panicked")
+                && l.contains("user=postgres")
+                && l.contains("database=app")),
+        "{logs}"
+    );
+    bystanders.finish(&cluster);
 }
 
 #[test]

@@ -31,7 +31,7 @@ use fence_core::classify::Analysis;
 use pgfence_config::Config;
 use tokio::io::AsyncWriteExt;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, debug_span, info, warn, Instrument};
+use tracing::{debug, debug_span, error, info, warn, Instrument};
 
 use crate::cancel;
 use crate::error::SessionError;
@@ -650,7 +650,7 @@ impl Session {
         let mut draining = stop.drain.is_cancelled();
         // Bytes already read from the server (its first reply to the login) and from the
         // client (beyond its startup packet) are processed first.
-        if let Err(e) = self.on_server_bytes(&mut sbuf) {
+        if let Err(e) = self.guarded(|s| s.on_server_bytes(&mut sbuf)) {
             return Err(self.fail(&mut cw, e).await);
         }
         let mut client_pending = !cbuf.is_empty();
@@ -664,7 +664,7 @@ impl Session {
             }
             if client_pending && self.reads_client() {
                 client_pending = false;
-                match self.on_client_bytes(&mut cbuf) {
+                match self.guarded(|s| s.on_client_bytes(&mut cbuf)) {
                     Ok(Flow::Terminate) => client_open = false,
                     // Copy data the client sent along with the Query it paused at.
                     Ok(Flow::Pause) => client_pending = self.copy_through && !cbuf.is_empty(),
@@ -705,7 +705,7 @@ impl Session {
                     };
                     if n == 0 {
                         // The server closed: pass on whatever it said last.
-                        if let Err(e) = self.on_server_bytes(&mut sbuf) {
+                        if let Err(e) = self.guarded(|s| s.on_server_bytes(&mut sbuf)) {
                             return Err(self.fail(&mut cw, e).await);
                         }
                         let eof = std::io::Error::new(
@@ -715,7 +715,7 @@ impl Session {
                         return Err(self.server_lost(&mut cw, eof).await);
                     }
                     let was_waiting = self.hold == Hold::Waiting;
-                    if let Err(e) = self.on_server_bytes(&mut sbuf) {
+                    if let Err(e) = self.guarded(|s| s.on_server_bytes(&mut sbuf)) {
                         return Err(self.fail(&mut cw, e).await);
                     }
                     if was_waiting && self.hold != Hold::Waiting {
@@ -769,6 +769,43 @@ impl Session {
                 }
             }
         }
+    }
+
+    /// Runs one step of the session's protocol logic. A panic there, a bug of pgfence's
+    /// (logged by the panic hook in `main.rs`), ends this session alone, with a FATAL error
+    /// the client can read rather than a bare close. What the step added for the client is
+    /// dropped: it may end mid-message.
+    fn guarded<T>(
+        &mut self,
+        step: impl FnOnce(&mut Self) -> Result<T, SessionError>,
+    ) -> Result<T, SessionError> {
+        let owed = self.to_client.len();
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| step(self))) {
+            Ok(result) => result,
+            Err(payload) => {
+                self.to_client.truncate(owed);
+                self.on_bug(&*payload)
+            }
+        }
+    }
+
+    #[cold]
+    fn on_bug<T>(&mut self, payload: &(dyn std::any::Any + Send)) -> Result<T, SessionError> {
+        let panic = payload
+            .downcast_ref::<&str>()
+            .copied()
+            .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+            .unwrap_or("a panic without a message");
+        error!(
+            client = %self.client_addr,
+            user = %self.user,
+            database = %self.database,
+            application_name = %self.application_name,
+            backend_pid = self.backend_pid,
+            panic,
+            "pgfence bug: a session panicked; it ends with FATAL XX000 and its server connection is closed"
+        );
+        Err(SessionError::Bug(panic.to_owned()))
     }
 
     /// Ends the session over invalid input from either side: the client gets what it is
@@ -891,12 +928,19 @@ impl Session {
         Ok(())
     }
 
-    /// Cleans up shared state when the session ends.
+    /// Cleans up shared state when the session ends (again when it is dropped, for a
+    /// session that ends in a panic outside [`Session::guarded`]).
     fn finish(&mut self) {
         if let Some((pid, key)) = self.client_key.take() {
             self.shared.cancel.unregister(pid, key);
         }
         self.shared.clients.remove(&self.id);
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.finish();
     }
 }
 

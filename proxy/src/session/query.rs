@@ -70,6 +70,7 @@ impl Session {
         let Some(sql) = msg::query_text(frame) else {
             return Err(SessionError::MalformedClientMessage("Query"));
         };
+        crate::failpoint::panic_on_query(sql);
         if self.lexing_in_doubt(sql) {
             if !self.replies.ready_tells_state() {
                 return Err(SessionError::QueryLexingInDoubt);
