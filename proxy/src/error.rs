@@ -8,6 +8,15 @@ use crate::protocol::frame::FrameError;
 use crate::protocol::message::{error_response, ErrorMessage};
 use crate::protocol::startup::StartupError;
 
+/// The message a panic carries, from its payload (`panic!` makes a `&str` or a `String`).
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> &str {
+    payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a panic without a message")
+}
+
 /// Who failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Side {

@@ -205,17 +205,14 @@ fn init_logging(format: LogFormat) {
 }
 
 /// Logs a panic as one ERROR event instead of std's text on stderr, so that JSON logs stay
-/// JSON and the event carries the fields operators filter on. A panic is a bug of pgfence's:
-/// the session whose task panicked ends (its client connection closes), the others go on.
-/// With `RUST_BACKTRACE=1` the event holds the backtrace.
+/// JSON and the event carries the fields operators filter on, and counts it in
+/// `pgfence_panics_total`. A panic is a bug of pgfence's: the session whose task panicked
+/// ends (see `Session::guarded`), the others go on. With `RUST_BACKTRACE=1` the event holds
+/// the backtrace.
 fn log_panics() {
     std::panic::set_hook(Box::new(|info| {
-        let payload = info.payload();
-        let message = payload
-            .downcast_ref::<&str>()
-            .copied()
-            .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
-            .unwrap_or("(not a string)");
+        pgfence::metrics::count_panic();
+        let message = pgfence::error::panic_message(info.payload());
         let location = info
             .location()
             .map(|l| format!("{}:{}:{}", l.file(), l.line(), l.column()))

@@ -3,7 +3,7 @@
 //! The HTTP side is deliberately tiny (GET /metrics, anything else 404): it is scraped by
 //! one Prometheus, not browsed.
 
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use prometheus_client::encoding::text::encode;
@@ -50,6 +50,15 @@ pub struct ResourceLabel {
 pub struct WorkerLabel {
     /// The worker thread's number, 0 to `--threads` - 1.
     pub worker: usize,
+}
+
+/// Panics in any of pgfence's threads since it started, each a bug: process-wide, as panics
+/// are, and counted by the binary's panic hook.
+static PANICS: LazyLock<Counter> = LazyLock::new(Counter::default);
+
+/// Counts a panic (`pgfence_panics_total`).
+pub fn count_panic() {
+    PANICS.inc();
 }
 
 /// Every metric pgfence exports.
@@ -124,6 +133,11 @@ impl Default for Metrics {
             "pgfence_upstream_errors",
             "Upstream connection failures (connect errors, broken connections)",
             upstream_errors.clone(),
+        );
+        registry.register(
+            "pgfence_panics",
+            "Panics in pgfence's threads, each a bug: see the log's \"pgfence bug\" events",
+            PANICS.clone(),
         );
         registry.register(
             "pgfence_worker_sessions",

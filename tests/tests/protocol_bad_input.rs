@@ -24,7 +24,8 @@
 //!   (an idle-session timeout) reaches the client alone.
 //! - [`a_session_that_panics_gets_fatal_xx000_and_the_others_go_on`]: a bug's panic in one
 //!   session (a failpoint of debug builds) ends that session alone, with FATAL XX000; its
-//!   open transaction rolls back, `SHOW CLIENTS` forgets it, the log says what and who.
+//!   open transaction rolls back, `SHOW CLIENTS` forgets it, `pgfence_panics_total`
+//!   counts it, the log says what and who.
 //! - [`the_binary_s_worker_threads_time_out_silent_clients`]: the same startup timeout in
 //!   the `pgfence` binary, whose sessions run on worker threads (runtimes of their own).
 
@@ -34,6 +35,7 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
+use harness::operating::scrape;
 use harness::wire::{self, assert_error, RawConn, Read1};
 use harness::{
     free_port, try_connect_to, PgCluster, Proxy, ProxyProcess, APP_DB, SCRAM_USER, SUPERUSER,
@@ -708,6 +710,8 @@ fn login_after_restart(proxy: SocketAddr) -> RawConn {
 /// The Query that makes a debug build of pgfence panic (`PGFENCE_TEST_PANIC`, see
 /// `proxy/src/failpoint.rs`).
 const PANIC_SQL: &str = "SELECT 'pgfence test: panic here'";
+/// The counter of panics in `/metrics`.
+const PANICS: &str = "pgfence_panics_total";
 
 #[test]
 fn a_session_that_panics_gets_fatal_xx000_and_the_others_go_on() {
@@ -716,11 +720,14 @@ fn a_session_that_panics_gets_fatal_xx000_and_the_others_go_on() {
     let mut config = Proxy::config_for(&cluster);
     config.pool.reuse_servers = false;
     config.admin.users = vec![SUPERUSER.into()];
+    let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
     let proxy = ProxyProcess::builder()
         .config(config)
         .args(["--config", "{config}", "--threads", "2"])
+        .args(["--metrics-addr", &metrics.to_string()])
         .env("PGFENCE_TEST_PANIC", PANIC_SQL)
         .start();
+    assert_eq!(scrape(metrics).must(PANICS, &[]), 0.0);
     let mut bystanders = Bystanders::start(proxy.addr(), &cluster);
     let backends = other_backends(&cluster);
 
@@ -754,7 +761,9 @@ fn a_session_that_panics_gets_fatal_xx000_and_the_others_go_on() {
     let rows = replies.iter().filter(|m| m.data_row().is_some()).count();
     assert_eq!(rows, 3, "{replies:?}");
 
-    // The log says what failed and where (the panic hook), and whose session it was.
+    // Operators can alert on it, and the log says what failed and where (the panic hook),
+    // and whose session it was.
+    assert_eq!(scrape(metrics).must(PANICS, &[]), 1.0);
     let logs = proxy.logs();
     assert!(
         logs.contains("pgfence bug: a thread panicked") && logs.contains("failpoint.rs"),

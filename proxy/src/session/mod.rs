@@ -791,11 +791,7 @@ impl Session {
 
     #[cold]
     fn on_bug<T>(&mut self, payload: &(dyn std::any::Any + Send)) -> Result<T, SessionError> {
-        let panic = payload
-            .downcast_ref::<&str>()
-            .copied()
-            .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
-            .unwrap_or("a panic without a message");
+        let panic = crate::error::panic_message(payload);
         error!(
             client = %self.client_addr,
             user = %self.user,
