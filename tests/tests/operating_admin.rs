@@ -13,6 +13,9 @@
 //! - [`extended_protocol_batch_gets_one_error`]: a Parse/Bind/Describe/Execute/Sync batch on
 //!   raw protocol gets one ErrorResponse and one ReadyForQuery, as PostgreSQL answers a
 //!   failed batch.
+//! - [`pipelined_console_commands_are_answered_in_order`]: commands sent back to back,
+//!   `SHOW FENCES` (answered by the server) among them, are answered in order; stray copy
+//!   messages are ignored and a FunctionCall refused, as PostgreSQL would.
 //! - [`kill_client_ends_one_session`]: `KILL_CLIENT` ends a session in the middle of a
 //!   transaction (FATAL 57P01, its insert rolled back, its backend gone rather than kept)
 //!   and leaves another session alone; unknown and malformed ids are errors. `SHOW VERSION`.
@@ -622,6 +625,49 @@ async fn extended_protocol_batch_gets_one_error() {
     let tags: Vec<u8> = replies.iter().map(|m| m.tag).collect();
     assert_eq!(tags.first(), Some(&b'T'), "{replies:?}");
     assert_eq!(&tags[tags.len() - 2..], b"CZ", "{replies:?}");
+}
+
+/// Commands sent back to back, one of them answered by the server (`SHOW FENCES`), are
+/// answered in order; copy messages outside a COPY are ignored and a FunctionCall refused,
+/// as PostgreSQL would. (Until 2026-12-06 the answers of pgfence's own commands overtook
+/// `SHOW FENCES`'s, and the others ended the session.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipelined_console_commands_are_answered_in_order() {
+    let (_cluster, proxy, _) = setup().await;
+    let (mut conn, _) = RawConn::login(proxy.addr(), SUPERUSER, CONSOLE);
+    conn.send(
+        &[
+            wire::query("SHOW FENCES"),
+            wire::query("SHOW VERSION"),
+            wire::copy_data(b"stray"),
+            wire::copy_done(),
+            wire::copy_fail("stray"),
+            wire::function_call(1598, &[]),
+            wire::query("SHOW FENCES"),
+            wire::query("SHOW HELP"),
+        ]
+        .concat(),
+    );
+    let first_column = |replies: &[wire::Msg]| {
+        let description = replies
+            .iter()
+            .find(|m| m.tag == b'T')
+            .expect("a RowDescription");
+        let body = &description.body[2..];
+        String::from_utf8_lossy(&body[..body.iter().position(|&b| b == 0).unwrap()]).to_string()
+    };
+    let fences = conn.until_ready();
+    assert_eq!(first_column(&fences), "resource", "{fences:?}");
+    let version = conn.until_ready();
+    assert_eq!(first_column(&version), "version", "{version:?}");
+    let call = conn.until_ready();
+    assert_eq!(call.len(), 2, "{call:?}");
+    let message = wire::assert_error(&call[0], "ERROR", "0A000");
+    assert!(message.contains("function calls"), "{message}");
+    let fences = conn.until_ready();
+    assert_eq!(first_column(&fences), "resource", "{fences:?}");
+    let help = conn.until_ready();
+    assert_eq!(first_column(&help), "command", "{help:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -22,6 +22,11 @@
 //! Sessions: `PGFENCE_FUZZ_SESSIONS` (default 1000) from seed `PGFENCE_FUZZ_FIRST_SEED`
 //! (default 1); a failure names its seed and the round's bytes.
 //!
+//! [`mutated_console_messages_never_panic_hang_or_close_quietly`] does the same on the admin
+//! console (database `pgfence`), with its commands for Queries and Parses and a
+//! `KILL_CLIENT` of a made-up id for probe (its error names the id):
+//! `PGFENCE_FUZZ_CONSOLE_SESSIONS` (default 300).
+//!
 //! [`mutated_startup_packets_never_panic_or_hang`] does the same for the first packet of a
 //! connection: StartupMessages (with fencing options, some invalid), SSLRequest,
 //! GSSENCRequest and CancelRequest, mutated alike, one per connection. Each connection must
@@ -85,9 +90,32 @@ const EXTREMES_16: &[u16] = &[0xFFFF, 0x7FFF, 0x8000, 0];
 /// Safe functions for FunctionCall (their oids are looked up at the start).
 const FUNCTIONS: &[&str] = &["int4pl(int4,int4)", "lower(text)", "pg_backend_pid()"];
 
+/// The admin console's corpus (database `pgfence`): its commands, misspelt ones, and
+/// statements it refuses. `KILL_CLIENT 1` names a session long gone.
+const CONSOLE_COMMANDS: &[&str] = &[
+    "SHOW FENCES",
+    "SHOW REJECTIONS",
+    "SHOW CLIENTS",
+    "SHOW SERVERS",
+    "SHOW STATS",
+    "SHOW CONFIG",
+    "SHOW VERSION",
+    "show help;",
+    "RELOAD",
+    "KILL_CLIENT 1",
+    "KILL_CLIENT -1",
+    "KILL_CLIENT",
+    "SHOW",
+    "SELECT 1",
+    "BEGIN",
+    "",
+];
+
 struct Gen {
     rng: StdRng,
     functions: Vec<u32>,
+    /// What Query and Parse messages hold.
+    statements: &'static [&'static str],
 }
 
 impl Gen {
@@ -98,10 +126,10 @@ impl Gen {
     /// A valid message of the corpus: (tag, body).
     fn message(&mut self) -> (u8, Vec<u8>) {
         let framed = match self.rng.gen_range(0..100) {
-            0..=17 => wire::query(self.pick(STATEMENTS).as_bytes()),
+            0..=17 => wire::query(self.pick(self.statements).as_bytes()),
             18..=31 => {
                 let name = self.pick(NAMES);
-                let sql = self.pick(STATEMENTS);
+                let sql = self.pick(self.statements);
                 let types: Vec<u32> = (0..self.rng.gen_range(0..3)).map(|_| 23).collect();
                 wire::parse(name, sql, &types)
             }
@@ -228,19 +256,38 @@ enum Outcome {
 }
 
 /// Sends the round's bytes and the probe, and reads until the probe's answer or the close.
+/// On the admin console the probe is a `KILL_CLIENT` of a made-up id, whose error names it.
 fn run_round(
     conn: &mut RawConn,
     bytes: &[u8],
     terminates: bool,
     n: usize,
+    console: bool,
 ) -> Result<Outcome, String> {
-    let marker = format!("probe-{n}-b");
+    // (The console's errors spell the command in capitals.)
+    let name = |ab: &str| {
+        let name = format!("probe-{n}-{ab}");
+        if console {
+            name.to_uppercase()
+        } else {
+            name
+        }
+    };
+    let marker = name("b");
+    let probe = |m: &str| {
+        if console {
+            format!("KILL_CLIENT {m}")
+        } else {
+            format!("ROLLBACK; SELECT '{m}'")
+        }
+    };
+    let answer = if console { b'E' } else { b'D' };
     let mut all = bytes.to_vec();
     all.extend(wire::copy_fail("probe"));
     all.extend(wire::sync());
-    all.extend(wire::query(format!("ROLLBACK; SELECT 'probe-{n}-a'")));
+    all.extend(wire::query(probe(&name("a"))));
     all.extend(wire::sync());
-    all.extend(wire::query(format!("ROLLBACK; SELECT '{marker}'")));
+    all.extend(wire::query(probe(&marker)));
     // pgfence may close before it has read everything (a FATAL on the first bad frame).
     let _ = conn.try_send(&all);
     let mut seen: Vec<Msg> = Vec::new();
@@ -248,7 +295,7 @@ fn run_round(
     loop {
         match conn.next(ROUND_TIMEOUT) {
             Ok(Read1::Msg(m)) => {
-                if m.tag == b'D' && m.body.windows(marker.len()).any(|w| w == marker.as_bytes()) {
+                if m.tag == answer && m.body.windows(marker.len()).any(|w| w == marker.as_bytes()) {
                     probed = true;
                 }
                 if probed && m.tag == b'Z' {
@@ -298,6 +345,32 @@ fn env_or(name: &str, default: u64) -> u64 {
 fn mutated_messages_never_panic_hang_or_close_quietly() {
     let sessions = env_or("PGFENCE_FUZZ_SESSIONS", 1000);
     let first_seed = env_or("PGFENCE_FUZZ_FIRST_SEED", 1);
+    let (cluster, functions) = fuzz_cluster();
+    let mut config = Proxy::config_for(&cluster);
+    config.limits.max_message_size = MAX_MESSAGE;
+    let proxy = fuzz_proxy(config);
+    fuzz_sessions(&proxy, first_seed, sessions, &functions, false);
+    assert_unharmed(&proxy);
+}
+
+/// The same on the admin console, whose messages pgfence answers itself (one
+/// `SHOW FENCES` asks the server).
+#[test]
+fn mutated_console_messages_never_panic_hang_or_close_quietly() {
+    let sessions = env_or("PGFENCE_FUZZ_CONSOLE_SESSIONS", 300);
+    let first_seed = env_or("PGFENCE_FUZZ_FIRST_SEED", 1);
+    let (cluster, functions) = fuzz_cluster();
+    let mut config = Proxy::config_for(&cluster);
+    config.limits.max_message_size = MAX_MESSAGE;
+    config.admin.users = vec![SUPERUSER.into()];
+    config.admin.database = APP_DB.into();
+    let proxy = fuzz_proxy(config);
+    fuzz_sessions(&proxy, first_seed, sessions, &functions, true);
+    assert_unharmed(&proxy);
+}
+
+/// A cluster with schema `pgfence` and table `fz` in `app`, and the oids of [`FUNCTIONS`].
+fn fuzz_cluster() -> (PgCluster, Vec<u32>) {
     let cluster = PgCluster::start();
     cluster.psql(APP_DB, &fence_core::sql::install_sql(None));
     cluster.psql(APP_DB, "CREATE TABLE fz (n int)");
@@ -308,20 +381,42 @@ fn mutated_messages_never_panic_hang_or_close_quietly() {
             oid.trim().parse().expect("a function oid")
         })
         .collect();
-    let mut config = Proxy::config_for(&cluster);
-    config.limits.max_message_size = MAX_MESSAGE;
-    let proxy = ProxyProcess::builder()
+    (cluster, functions)
+}
+
+fn fuzz_proxy(config: pgfence_config::Config) -> ProxyProcess {
+    ProxyProcess::builder()
         .config(config)
         .args(["--config", "{config}", "--threads", "2"])
-        .start();
+        .start()
+}
 
+/// Runs the seeded sessions through `proxy` (on the admin console if `console`), and
+/// prints how their rounds ended.
+fn fuzz_sessions(
+    proxy: &ProxyProcess,
+    first_seed: u64,
+    sessions: u64,
+    functions: &[u32],
+    console: bool,
+) {
+    let count = if console {
+        "PGFENCE_FUZZ_CONSOLE_SESSIONS"
+    } else {
+        "PGFENCE_FUZZ_SESSIONS"
+    };
     let (mut answered, mut terminated) = (0u32, 0u32);
     let mut fatal: std::collections::BTreeMap<String, u32> = Default::default();
     let mut rounds = 0usize;
     for seed in first_seed..first_seed + sessions {
         let mut gen = Gen {
             rng: StdRng::seed_from_u64(seed),
-            functions: functions.clone(),
+            functions: functions.to_vec(),
+            statements: if console {
+                CONSOLE_COMMANDS
+            } else {
+                STATEMENTS
+            },
         };
         // A statement that runs long (a changed digit in pg_sleep's argument, a lock) ends
         // with an error instead of holding the round past its timeout.
@@ -329,17 +424,19 @@ fn mutated_messages_never_panic_hang_or_close_quietly() {
         if gen.rng.gen_bool(0.5) {
             options.push_str(" -c fencing.token=7 -c fencing.resource=fz");
         }
-        let mut conn = RawConn::login_with_options(proxy.addr(), SUPERUSER, APP_DB, &options);
+        let database = if console { "pgfence" } else { APP_DB };
+        let mut conn = RawConn::login_with_options(proxy.addr(), SUPERUSER, database, &options);
         for _ in 0..gen.rng.gen_range(1..=8) {
             rounds += 1;
             let (bytes, terminates) = gen.round();
-            let outcome = run_round(&mut conn, &bytes, terminates, rounds).unwrap_or_else(|e| {
-                panic!(
-                    "seed {seed} (PGFENCE_FUZZ_FIRST_SEED={seed} PGFENCE_FUZZ_SESSIONS=1): {e}\n\
-                     round's bytes: {bytes:?}\npgfence's log:\n{}",
-                    proxy.logs()
-                )
-            });
+            let outcome =
+                run_round(&mut conn, &bytes, terminates, rounds, console).unwrap_or_else(|e| {
+                    panic!(
+                        "seed {seed} (PGFENCE_FUZZ_FIRST_SEED={seed} {count}=1): {e}\n\
+                         round's bytes: {bytes:?}\npgfence's log:\n{}",
+                        proxy.logs()
+                    )
+                });
             let goes_on = outcome == Outcome::Answered;
             match outcome {
                 Outcome::Answered => answered += 1,
@@ -360,9 +457,10 @@ fn mutated_messages_never_panic_hang_or_close_quietly() {
         }
     }
     let closed: u32 = fatal.values().sum();
+    let place = if console { "on the admin console" } else { "" };
     eprintln!(
-        "{sessions} sessions from seed {first_seed}, {rounds} rounds: {answered} answered, \
-         {closed} closed with a FATAL error, {terminated} ended by their Terminate"
+        "{sessions} sessions {place} from seed {first_seed}, {rounds} rounds: {answered} \
+         answered, {closed} closed with a FATAL error, {terminated} ended by their Terminate"
     );
     for (reason, n) in &fatal {
         eprintln!("  {n:5}  FATAL {reason}");
@@ -372,7 +470,6 @@ fn mutated_messages_never_panic_hang_or_close_quietly() {
     if sessions >= 50 {
         assert!(answered > 0 && closed > 0, "{answered} answered, {fatal:?}");
     }
-    assert_unharmed(&proxy);
 }
 
 /// pgfence logged no panic, and serves a new session.

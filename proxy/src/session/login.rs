@@ -8,7 +8,7 @@ use crate::cancel::CancelTarget;
 use crate::error::SessionError;
 use crate::state::ClientInfo;
 
-use super::{Flow, Phase, Session};
+use super::{Flow, Hold, Phase, Session};
 
 /// The authentication request codes pgfence looks at: AuthenticationOk and
 /// AuthenticationSASL (the list of SASL mechanisms).
@@ -138,8 +138,13 @@ impl Session {
         Ok(())
     }
 
-    /// A message to the admin console.
+    /// A message to the admin console. It answers as a PostgreSQL server would, in order:
+    /// while the server answers a command for it (`SHOW FENCES`), what the client sent next
+    /// waits.
     pub(super) fn on_admin_frame(&mut self, tag: u8, frame: &[u8]) -> Result<Flow, SessionError> {
+        if self.console_asked {
+            return Ok(self.hold_until_answered());
+        }
         if self.discard_until_sync.is_some() && !matches!(tag, b'S' | b'X') {
             // As PostgreSQL does after an error in an extended-protocol batch: one error,
             // then the rest of the batch is skipped up to its Sync.
@@ -151,7 +156,8 @@ impl Session {
                     .ok_or(SessionError::MalformedClientMessage("Query"))?;
                 match crate::admin::answer(&self.shared, &self.user, sql, &mut self.to_client) {
                     crate::admin::Answer::Upstream(sql) => {
-                        crate::protocol::message::query(&mut self.to_server, sql)
+                        crate::protocol::message::query(&mut self.to_server, sql);
+                        self.console_asked = true;
                     }
                     crate::admin::Answer::Done => {}
                 }
@@ -163,23 +169,48 @@ impl Session {
                 crate::protocol::message::ready_for_query(&mut self.to_client, b'I');
                 Ok(Flow::Continue)
             }
-            b'H' => Ok(Flow::Continue),
+            // Ignored, as PostgreSQL ignores copy messages outside a COPY (the end of a COPY
+            // that failed may still be on its way).
+            b'H' | b'd' | b'c' | b'f' => Ok(Flow::Continue),
             b'P' | b'B' | b'D' | b'E' | b'C' => {
                 self.discard_until_sync = Some(b'I');
-                crate::protocol::message::error_response(
-                    &mut self.to_client,
-                    &crate::protocol::message::ErrorMessage {
-                        severity: "ERROR",
-                        code: "0A000",
-                        message:
-                            "the pgfence admin console supports the simple query protocol only",
-                        detail: None,
-                        hint: Some("Use psql, or simple_query in your driver."),
-                    },
+                self.console_refuses(
+                    "the pgfence admin console supports the simple query protocol only",
                 );
                 Ok(Flow::Continue)
             }
+            b'F' => {
+                // A function call is answered like a Query: its error, then ReadyForQuery.
+                self.console_refuses("the pgfence admin console does not run function calls");
+                crate::protocol::message::ready_for_query(&mut self.to_client, b'I');
+                Ok(Flow::Continue)
+            }
             _ => Err(SessionError::UnexpectedClientMessage(tag as char)),
+        }
+    }
+
+    fn console_refuses(&mut self, message: &str) {
+        crate::protocol::message::error_response(
+            &mut self.to_client,
+            &crate::protocol::message::ErrorMessage {
+                severity: "ERROR",
+                code: "0A000",
+                message,
+                detail: None,
+                hint: Some("Use psql, or simple_query in your driver."),
+            },
+        );
+    }
+
+    /// The server's reply to a command of the admin console goes to the client as it is; its
+    /// ReadyForQuery lets the client's next messages through.
+    pub(super) fn on_console_server_frame(&mut self, tag: u8, frame: &[u8]) {
+        self.to_client.extend_from_slice(frame);
+        if tag == b'Z' {
+            self.console_asked = false;
+            if self.hold == Hold::Waiting {
+                self.hold = Hold::None;
+            }
         }
     }
 }

@@ -452,6 +452,8 @@ pub(crate) struct Session {
     phase: Phase,
     /// This is an admin console session.
     admin: bool,
+    /// The admin console's command to the server (`SHOW FENCES`) is not answered yet.
+    console_asked: bool,
     /// Who is connected, for logs, rejections and `SHOW CLIENTS`.
     client_addr: String,
     /// The client's TLS protocol and cipher suite, if it uses TLS.
@@ -577,6 +579,7 @@ impl Session {
             id,
             phase: Phase::Auth,
             admin: false,
+            console_asked: false,
             client_addr: peer.to_string(),
             tls: None,
             client_cn: None,
@@ -898,8 +901,8 @@ impl Session {
             match self.phase {
                 Phase::Auth => self.on_auth_server_frame(tag, frame)?,
                 Phase::Ready => self.on_server_frame(tag, frame)?,
-                // Only SHOW FENCES asks the server: its replies go to the client as they are.
-                Phase::Admin => self.to_client.extend_from_slice(frame),
+                // Only SHOW FENCES asks the server.
+                Phase::Admin => self.on_console_server_frame(tag, frame),
             }
             at += len;
         }
