@@ -15,7 +15,8 @@
 //!   failed batch.
 //! - [`pipelined_console_commands_are_answered_in_order`]: commands sent back to back,
 //!   `SHOW FENCES` (answered by the server) among them, are answered in order; stray copy
-//!   messages are ignored and a FunctionCall refused, as PostgreSQL would.
+//!   messages are ignored and a FunctionCall refused, as PostgreSQL would; a malformed
+//!   message ends the session, as on any session.
 //! - [`kill_client_ends_one_session`]: `KILL_CLIENT` ends a session in the middle of a
 //!   transaction (FATAL 57P01, its insert rolled back, its backend gone rather than kept)
 //!   and leaves another session alone; unknown and malformed ids are errors. `SHOW VERSION`.
@@ -668,6 +669,13 @@ async fn pipelined_console_commands_are_answered_in_order() {
     assert_eq!(first_column(&fences), "resource", "{fences:?}");
     let help = conn.until_ready();
     assert_eq!(first_column(&help), "command", "{help:?}");
+
+    // A message that does not hold what its type says ends the session, as on any other.
+    conn.send(&wire::frame(b'S', b"x"));
+    let replies = conn.until_closed();
+    assert_eq!(replies.len(), 1, "{replies:?}");
+    let message = wire::assert_error(&replies[0], "FATAL", "08P01");
+    assert_eq!(message, "client sent a malformed Sync message");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

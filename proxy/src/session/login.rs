@@ -145,6 +145,12 @@ impl Session {
         if self.console_asked {
             return Ok(self.hold_until_answered());
         }
+        // Checked as a session's messages are (see `on_client_frame`).
+        if let Some(kind) = crate::protocol::message::Frontend::from_tag(tag) {
+            if !crate::protocol::message::well_formed(kind, frame) {
+                return Err(SessionError::MalformedClientMessage(kind.name()));
+            }
+        }
         if self.discard_until_sync.is_some() && !matches!(tag, b'S' | b'X') {
             // As PostgreSQL does after an error in an extended-protocol batch: one error,
             // then the rest of the batch is skipped up to its Sync.
