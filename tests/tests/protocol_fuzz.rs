@@ -384,6 +384,7 @@ fn fuzz_cluster() -> (PgCluster, Vec<u32>) {
     (cluster, functions)
 }
 
+/// The `pgfence` binary with `config`, on two worker threads.
 fn fuzz_proxy(config: pgfence_config::Config) -> ProxyProcess {
     ProxyProcess::builder()
         .config(config)
@@ -659,10 +660,7 @@ fn mutated_startup_packets_never_panic_or_hang() {
     cluster.psql(APP_DB, &fence_core::sql::install_sql(None));
     let mut config = Proxy::config_for(&cluster);
     config.limits.startup_timeout = Duration::from_secs(1);
-    let proxy = ProxyProcess::builder()
-        .config(config)
-        .args(["--config", "{config}", "--threads", "2"])
-        .start();
+    let proxy = fuzz_proxy(config);
     // Eight connections at a time: a packet cut short waits for the startup timeout.
     let failures: Vec<String> = std::thread::scope(|scope| {
         let workers: Vec<_> = (0..8)
