@@ -631,7 +631,8 @@ async fn extended_protocol_batch_gets_one_error() {
 /// Commands sent back to back, one of them answered by the server (`SHOW FENCES`), are
 /// answered in order; copy messages outside a COPY are ignored and a FunctionCall refused,
 /// as PostgreSQL would. (Until 2026-12-06 the answers of pgfence's own commands overtook
-/// `SHOW FENCES`'s, and the others ended the session.)
+/// `SHOW FENCES`'s, and the others ended the session; `SHOW FENCES` ended with the tag
+/// `SELECT n` where the others end with `SHOW n`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pipelined_console_commands_are_answered_in_order() {
     let (_cluster, proxy, _) = setup().await;
@@ -659,6 +660,13 @@ async fn pipelined_console_commands_are_answered_in_order() {
     };
     let fences = conn.until_ready();
     assert_eq!(first_column(&fences), "resource", "{fences:?}");
+    // Its command tag is the console's, not that of the query the server ran.
+    let rows = fences.iter().filter(|m| m.tag == b'D').count();
+    let tag = fences
+        .iter()
+        .find(|m| m.tag == b'C')
+        .expect("a CommandComplete");
+    assert_eq!(tag.body, format!("SHOW {rows}\0").as_bytes(), "{fences:?}");
     let version = conn.until_ready();
     assert_eq!(first_column(&version), "version", "{version:?}");
     let call = conn.until_ready();

@@ -6,6 +6,7 @@ use tracing::debug;
 
 use crate::cancel::CancelTarget;
 use crate::error::SessionError;
+use crate::protocol::message as msg;
 use crate::state::ClientInfo;
 
 use super::{Flow, Hold, Phase, Session};
@@ -22,7 +23,7 @@ const SCRAM_PLUS: &[u8] = b"SCRAM-SHA-256-PLUS";
 /// channel binding and, told the server does not, would have the server refuse it as a
 /// downgrade (PostgreSQL does when its own connection uses TLS).
 fn asks_for_channel_binding(frame: &[u8]) -> bool {
-    let body = crate::protocol::message::body(frame);
+    let body = msg::body(frame);
     let Some(end) = body.iter().position(|&b| b == 0) else {
         return false;
     };
@@ -58,7 +59,7 @@ impl Session {
     ) -> Result<(), SessionError> {
         match tag {
             b'K' => {
-                let body = crate::protocol::message::body(frame);
+                let body = msg::body(frame);
                 if body.len() < 8 {
                     return Err(SessionError::UnexpectedServerMessage('K'));
                 }
@@ -74,7 +75,7 @@ impl Session {
                     in_flight: self.cancels.clone(),
                 });
                 self.client_key = Some((cpid, ckey));
-                crate::protocol::message::backend_key_data(&mut self.to_client, cpid, ckey);
+                msg::backend_key_data(&mut self.to_client, cpid, ckey);
                 tracing::Span::current().record("backend_pid", pid);
             }
             b'Z' => {
@@ -83,8 +84,7 @@ impl Session {
                 } else {
                     Phase::Ready
                 };
-                self.tx
-                    .on_ready(crate::protocol::message::ready_status(frame), true);
+                self.tx.on_ready(msg::ready_status(frame), true);
                 self.to_client.extend_from_slice(frame);
                 self.shared.clients.insert(
                     self.id,
@@ -107,7 +107,7 @@ impl Session {
                 self.to_client.extend_from_slice(frame);
             }
             b'R' => {
-                let body = crate::protocol::message::body(frame);
+                let body = msg::body(frame);
                 // Anything but AuthenticationOk asked the client for credentials: such a
                 // connection is never handed to another client.
                 if body.get(..4) != Some(&AUTH_OK) {
@@ -121,10 +121,10 @@ impl Session {
                     let kept = body[4..]
                         .split(|&b| b == 0)
                         .filter(|m| !m.is_empty() && *m != SCRAM_PLUS);
-                    crate::protocol::message::write_message(&mut self.to_client, b'R', |o| {
+                    msg::write_message(&mut self.to_client, b'R', |o| {
                         o.extend_from_slice(&AUTH_SASL);
                         for mechanism in kept {
-                            crate::protocol::message::put_cstr(o, mechanism);
+                            msg::put_cstr(o, mechanism);
                         }
                         o.extend_from_slice(&[0]);
                     });
@@ -146,8 +146,8 @@ impl Session {
             return Ok(self.hold_until_answered());
         }
         // Checked as a session's messages are (see `on_client_frame`).
-        if let Some(kind) = crate::protocol::message::Frontend::from_tag(tag) {
-            if !crate::protocol::message::well_formed(kind, frame) {
+        if let Some(kind) = msg::Frontend::from_tag(tag) {
+            if !msg::well_formed(kind, frame) {
                 return Err(SessionError::MalformedClientMessage(kind.name()));
             }
         }
@@ -158,11 +158,11 @@ impl Session {
         }
         match tag {
             b'Q' => {
-                let sql = crate::protocol::message::query_text(frame)
-                    .ok_or(SessionError::MalformedClientMessage("Query"))?;
+                let sql =
+                    msg::query_text(frame).ok_or(SessionError::MalformedClientMessage("Query"))?;
                 match crate::admin::answer(&self.shared, &self.user, sql, &mut self.to_client) {
                     crate::admin::Answer::Upstream(sql) => {
-                        crate::protocol::message::query(&mut self.to_server, sql);
+                        msg::query(&mut self.to_server, sql);
                         self.console_asked = true;
                     }
                     crate::admin::Answer::Done => {}
@@ -172,7 +172,7 @@ impl Session {
             b'X' => Ok(Flow::Terminate),
             b'S' => {
                 self.discard_until_sync = None;
-                crate::protocol::message::ready_for_query(&mut self.to_client, b'I');
+                msg::ready_for_query(&mut self.to_client, b'I');
                 Ok(Flow::Continue)
             }
             // Ignored, as PostgreSQL ignores copy messages outside a COPY (the end of a COPY
@@ -188,7 +188,7 @@ impl Session {
             b'F' => {
                 // A function call is answered like a Query: its error, then ReadyForQuery.
                 self.console_refuses("the pgfence admin console does not run function calls");
-                crate::protocol::message::ready_for_query(&mut self.to_client, b'I');
+                msg::ready_for_query(&mut self.to_client, b'I');
                 Ok(Flow::Continue)
             }
             _ => Err(SessionError::UnexpectedClientMessage(tag as char)),
@@ -196,9 +196,9 @@ impl Session {
     }
 
     fn console_refuses(&mut self, message: &str) {
-        crate::protocol::message::error_response(
+        msg::error_response(
             &mut self.to_client,
-            &crate::protocol::message::ErrorMessage {
+            &msg::ErrorMessage {
                 severity: "ERROR",
                 code: "0A000",
                 message,
@@ -208,10 +208,18 @@ impl Session {
         );
     }
 
-    /// The server's reply to a command of the admin console goes to the client as it is; its
-    /// ReadyForQuery lets the client's next messages through.
+    /// The server's reply to a command of the admin console goes to the client as it is,
+    /// but for its command tag: `SHOW n`, as the console's other `SHOW` commands end, not
+    /// the `SELECT n` of the query behind it. Its ReadyForQuery lets the client's next
+    /// messages through.
     pub(super) fn on_console_server_frame(&mut self, tag: u8, frame: &[u8]) {
-        self.to_client.extend_from_slice(frame);
+        match msg::body(frame).strip_prefix(b"SELECT ") {
+            Some(rows) if tag == b'C' => msg::write_message(&mut self.to_client, b'C', |o| {
+                o.extend_from_slice(b"SHOW ");
+                o.extend_from_slice(rows);
+            }),
+            _ => self.to_client.extend_from_slice(frame),
+        }
         if tag == b'Z' {
             self.console_asked = false;
             if self.hold == Hold::Waiting {
