@@ -540,6 +540,16 @@ impl RawConn {
         self.until(|m| m.tag == b'Z')
     }
 
+    /// Sends `sql` as a simple Query and returns the rows of its answer (up to its
+    /// ReadyForQuery), each column as bytes or NULL.
+    pub fn query_rows(&mut self, sql: &str) -> Vec<Vec<Option<Vec<u8>>>> {
+        self.send(&query(sql));
+        self.until_ready()
+            .iter()
+            .filter_map(|m| m.data_row())
+            .collect()
+    }
+
     /// Every message until the peer closes the connection (panics after the timeout).
     pub fn until_closed(&mut self) -> Vec<Msg> {
         let mut out = Vec::new();

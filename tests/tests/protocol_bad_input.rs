@@ -642,12 +642,7 @@ fn upstream_down_gives_fatal_naming_it() {
     );
     cluster.start_server();
     let (mut conn, _) = RawConn::login(proxy.addr(), SUPERUSER, APP_DB);
-    conn.send(&wire::query("SELECT 'back'"));
-    let rows: Vec<_> = conn
-        .until_ready()
-        .iter()
-        .filter_map(|m| m.data_row())
-        .collect();
+    let rows = conn.query_rows("SELECT 'back'");
     assert_eq!(rows, vec![vec![Some(b"back".to_vec())]]);
 }
 

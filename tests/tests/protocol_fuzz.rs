@@ -34,9 +34,19 @@
 //! error (a packet cut short meets the startup timeout of 1 s; protocol 2 gets that
 //! protocol's error format), or, for a CancelRequest, closed without a word as PostgreSQL
 //! does. `PGFENCE_FUZZ_STARTUPS` (default 2000).
+//!
+//! [`mutated_server_messages_never_panic_or_close_quietly`] turns it around: the client's
+//! rounds are well-formed, and a relay between pgfence and PostgreSQL changes what the
+//! server sends (bodies mutated alike, a message's type or ReadyForQuery status replaced,
+//! a message sent twice; logins too in one connection of four). pgfence must never panic
+//! nor close a session without a FATAL error; a round left unanswered once the relay has
+//! changed a reply of its session is allowed (a client of PostgreSQL itself would wait the
+//! same), and those sessions end when their server processes do.
+//! `PGFENCE_FUZZ_SERVER_SESSIONS` (default 300).
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use harness::wire::{self, Msg, RawConn, Read1};
@@ -48,6 +58,8 @@ use rand::{Rng, SeedableRng};
 const MAX_MESSAGE: u32 = 64 * 1024;
 /// How long a round may take to be answered.
 const ROUND_TIMEOUT: Duration = Duration::from_secs(20);
+/// How often a round that waits for its answer asks whether to go on waiting.
+const WAIT_SLICE: Duration = Duration::from_millis(250);
 
 /// Statements of the corpus: reads, writes, transaction control, COPY both ways, fencing
 /// settings and comments, statements pgfence treats apart.
@@ -116,6 +128,9 @@ struct Gen {
     functions: Vec<u32>,
     /// What Query and Parse messages hold.
     statements: &'static [&'static str],
+    /// Whether rounds hold mutated messages, or only well-formed ones (when the server's
+    /// side is mutated instead).
+    mutated: bool,
 }
 
 impl Gen {
@@ -222,6 +237,11 @@ impl Gen {
         let mut terminates = false;
         for _ in 0..self.rng.gen_range(1..=8) {
             let (mut tag, mut body) = self.message();
+            if !self.mutated {
+                terminates |= tag == b'X';
+                out.extend(wire::frame(tag, &body));
+                continue;
+            }
             if self.rng.gen_bool(0.2) {
                 self.mutate(tag, &mut body);
             }
@@ -255,15 +275,34 @@ enum Outcome {
     Terminated,
 }
 
-/// Sends the round's bytes and the probe, and reads until the probe's answer or the close.
-/// On the admin console the probe is a `KILL_CLIENT` of a made-up id, whose error names it.
+/// How a round failed.
+#[derive(Debug)]
+enum Failure {
+    /// The connection closed without a FATAL error (and the round sent no Terminate).
+    Quiet(String),
+    /// No answer to the probe within the round's time.
+    Timeout(String),
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failure::Quiet(e) | Failure::Timeout(e) => f.write_str(e),
+        }
+    }
+}
+
+/// Sends the round's bytes and the probe, and reads until the probe's answer or the close,
+/// or until `give_up` says so of the time waited with no answer. On the admin console the
+/// probe is a `KILL_CLIENT` of a made-up id, whose error names it.
 fn run_round(
     conn: &mut RawConn,
     bytes: &[u8],
     terminates: bool,
     n: usize,
     console: bool,
-) -> Result<Outcome, String> {
+    give_up: &dyn Fn(Duration) -> bool,
+) -> Result<Outcome, Failure> {
     // (The console's errors spell the command in capitals.)
     let name = |ab: &str| {
         let name = format!("probe-{n}-{ab}");
@@ -292,8 +331,9 @@ fn run_round(
     let _ = conn.try_send(&all);
     let mut seen: Vec<Msg> = Vec::new();
     let mut probed = false;
+    let start = Instant::now();
     loop {
-        match conn.next(ROUND_TIMEOUT) {
+        match conn.next(WAIT_SLICE) {
             Ok(Read1::Msg(m)) => {
                 if m.tag == answer && m.body.windows(marker.len()).any(|w| w == marker.as_bytes()) {
                     probed = true;
@@ -304,27 +344,50 @@ fn run_round(
                 seen.push(m);
             }
             Ok(Read1::Closed) => {
-                let fatal = seen.last().filter(|m| {
-                    m.tag == b'E'
-                        && matches!(m.field(b'V').as_deref(), Some("FATAL") | Some("PANIC"))
-                });
-                return match (fatal, terminates) {
-                    (Some(m), _) => Ok(Outcome::ClosedWithError(m.field(b'M').unwrap_or_default())),
+                return match (last_fatal(&seen), terminates) {
+                    (Some(message), _) => Ok(Outcome::ClosedWithError(message)),
                     (None, true) => Ok(Outcome::Terminated),
-                    (None, false) => Err(format!(
-                        "the connection closed without a FATAL error; last replies: {:?}",
-                        tail(&seen)
-                    )),
+                    (None, false) => Err(closed_quietly(&seen)),
                 };
             }
+            Err(e) if is_timeout(&e) && !give_up(start.elapsed()) => {}
             Err(e) => {
-                return Err(format!(
-                    "no answer to the probe within {ROUND_TIMEOUT:?} ({e}); last replies: {:?}",
+                return Err(Failure::Timeout(format!(
+                    "no answer to the probe within {:?} ({e}); last replies: {:?}",
+                    start.elapsed(),
                     tail(&seen)
-                ))
+                )))
             }
         }
     }
+}
+
+/// The message of the FATAL (or PANIC) error that `seen` ends with, if it does.
+fn last_fatal(seen: &[Msg]) -> Option<String> {
+    seen.last()
+        .filter(|m| m.tag == b'E' && matches!(m.field(b'V').as_deref(), Some("FATAL" | "PANIC")))
+        .map(|m| m.field(b'M').unwrap_or_default())
+}
+
+fn closed_quietly(seen: &[Msg]) -> Failure {
+    Failure::Quiet(format!(
+        "the connection closed without a FATAL error; last replies: {:?}",
+        tail(seen)
+    ))
+}
+
+/// Whether `RawConn::next` failed for want of a message in time.
+fn is_timeout(e: &str) -> bool {
+    e.starts_with("no complete message")
+}
+
+/// What an error says, without its variable part: for grouping errors in a summary.
+fn reason(message: &str) -> String {
+    match message.find("message type") {
+        Some(at) => &message[..at + "message type".len()],
+        None => message.split(':').next().unwrap_or_default(),
+    }
+    .to_string()
 }
 
 fn tail(msgs: &[Msg]) -> &[Msg] {
@@ -418,6 +481,7 @@ fn fuzz_sessions(
             } else {
                 STATEMENTS
             },
+            mutated: true,
         };
         // A statement that runs long (a changed digit in pg_sleep's argument, a lock) ends
         // with an error instead of holding the round past its timeout.
@@ -430,8 +494,9 @@ fn fuzz_sessions(
         for _ in 0..gen.rng.gen_range(1..=8) {
             rounds += 1;
             let (bytes, terminates) = gen.round();
-            let outcome =
-                run_round(&mut conn, &bytes, terminates, rounds, console).unwrap_or_else(|e| {
+            let give_up = |waited| waited >= ROUND_TIMEOUT;
+            let outcome = run_round(&mut conn, &bytes, terminates, rounds, console, &give_up)
+                .unwrap_or_else(|e| {
                     panic!(
                         "seed {seed} (PGFENCE_FUZZ_FIRST_SEED={seed} {count}=1): {e}\n\
                          round's bytes: {bytes:?}\npgfence's log:\n{}",
@@ -443,13 +508,7 @@ fn fuzz_sessions(
                 Outcome::Answered => answered += 1,
                 Outcome::Terminated => terminated += 1,
                 Outcome::ClosedWithError(message) => {
-                    // Grouped by what the error says, without the variable part.
-                    let reason = match message.find("message type") {
-                        Some(at) => &message[..at + "message type".len()],
-                        None => message.split(':').next().unwrap_or_default(),
-                    };
-                    let reason = reason.to_string();
-                    *fatal.entry(reason).or_default() += 1;
+                    *fatal.entry(reason(&message)).or_default() += 1;
                 }
             }
             if !goes_on {
@@ -481,13 +540,357 @@ fn assert_unharmed(proxy: &ProxyProcess) {
         "pgfence panicked:\n{logs}"
     );
     let (mut conn, _) = RawConn::login(proxy.addr(), SUPERUSER, APP_DB);
-    conn.send(&wire::query("SELECT 'still serving'"));
-    let rows: Vec<_> = conn
-        .until_ready()
-        .iter()
-        .filter_map(|m| m.data_row())
-        .collect();
+    let rows = conn.query_rows("SELECT 'still serving'");
     assert_eq!(rows, vec![vec![Some(b"still serving".to_vec())]]);
+}
+
+/// How long a round of the server-side fuzz waits once the relay has changed a reply of its
+/// session, which may then never be answered (see
+/// [`mutated_server_messages_never_panic_or_close_quietly`]).
+const SERVER_ROUND_TIMEOUT: Duration = Duration::from_secs(3);
+/// The chance that the relay changes one message of the server's.
+const SERVER_MUTATION_RATE: f64 = 0.03;
+/// Mixed into a session's seed for its relay's choices, which then differ from the
+/// session's own.
+const SERVER_SEED_SALT: u64 = 0x5e4_7e4;
+/// Backend message types, for a mutation that turns a message into another type.
+const BACKEND_TAGS: &[u8] = b"123ACDEGHIKNRSTVWZcdnstv";
+
+/// The server's side: a relay between pgfence and PostgreSQL changes what the server sends
+/// ([`MutatingRelay`]) while sessions run well-formed rounds of the corpus. pgfence must
+/// never panic, and never close a session without a FATAL error. Once the relay has
+/// changed a session's replies, its rounds may go unanswered (a ReadyForQuery turned into
+/// another message, the probe's row changed; pgfence then counts one reply too few or too
+/// many): a client of PostgreSQL itself would wait the same. Such a session outlives its
+/// client, as a PostgreSQL backend would, until its server process ends: at the end the
+/// test ends them all, and then no session may be left but the admin console's.
+/// `PGFENCE_FUZZ_SERVER_SESSIONS` (default 300) from seed `PGFENCE_FUZZ_FIRST_SEED`.
+#[test]
+fn mutated_server_messages_never_panic_or_close_quietly() {
+    let sessions = env_or("PGFENCE_FUZZ_SERVER_SESSIONS", 300);
+    let first_seed = env_or("PGFENCE_FUZZ_FIRST_SEED", 1);
+    let (cluster, functions) = fuzz_cluster();
+    let relay = MutatingRelay::start(cluster.port());
+    let mut config = Proxy::config_for(&cluster);
+    config.upstream.port = relay.port;
+    // A server connection per session, so that the session's seed decides what changes.
+    config.pool.reuse_servers = false;
+    config.admin.users = vec![SUPERUSER.into()];
+    config.admin.database = APP_DB.into();
+    let proxy = fuzz_proxy(config);
+    let (mut answered, mut terminated, mut stalled, mut changes) = (0u32, 0u32, 0u32, 0usize);
+    let mut fatal: std::collections::BTreeMap<String, u32> = Default::default();
+    let mut rounds = 0usize;
+    for seed in first_seed..first_seed + sessions {
+        relay.arm(seed);
+        let mut gen = Gen {
+            rng: StdRng::seed_from_u64(seed),
+            functions: functions.clone(),
+            statements: STATEMENTS,
+            mutated: false,
+        };
+        let mut options = "-c statement_timeout=5s -c lock_timeout=2s".to_string();
+        if gen.rng.gen_bool(0.5) {
+            options.push_str(" -c fencing.token=7 -c fencing.resource=fz");
+        }
+        // A round waits long for its answer, but not once the relay has changed a reply
+        // of its session.
+        let give_up =
+            |waited| waited >= ROUND_TIMEOUT || (waited >= SERVER_ROUND_TIMEOUT && relay.changed());
+        let login = log_in_through_relay(proxy.addr(), &options, &give_up);
+        let mut session = match login {
+            Ok(Login::Ready(conn)) => Some(conn),
+            Ok(Login::Closed(message)) => {
+                *fatal.entry(reason(&message)).or_default() += 1;
+                None
+            }
+            Err(Failure::Timeout(_)) if relay.changed() => {
+                stalled += 1;
+                None
+            }
+            Err(e) => panic!(
+                "seed {seed} (PGFENCE_FUZZ_FIRST_SEED={seed} PGFENCE_FUZZ_SERVER_SESSIONS=1), \
+                 login: {e}\nthe relay's changes: {:?}\npgfence's log:\n{}",
+                relay.take(),
+                proxy.logs()
+            ),
+        };
+        let mut left = gen.rng.gen_range(1..=8);
+        while let (Some(conn), 1..) = (session.as_mut(), left) {
+            left -= 1;
+            rounds += 1;
+            let (bytes, terminates) = gen.round();
+            match run_round(conn, &bytes, terminates, rounds, false, &give_up) {
+                Ok(Outcome::Answered) => {
+                    answered += 1;
+                    continue;
+                }
+                Ok(Outcome::Terminated) => terminated += 1,
+                Ok(Outcome::ClosedWithError(message)) => {
+                    *fatal.entry(reason(&message)).or_default() += 1
+                }
+                Err(Failure::Timeout(_)) if relay.changed() => stalled += 1,
+                Err(e) => panic!(
+                    "seed {seed} (PGFENCE_FUZZ_FIRST_SEED={seed} \
+                     PGFENCE_FUZZ_SERVER_SESSIONS=1): {e}\nround's bytes: {bytes:?}\n\
+                     the relay's changes: {:?}\npgfence's log:\n{}",
+                    relay.take(),
+                    proxy.logs()
+                ),
+            }
+            session = None;
+        }
+        changes += relay.take().len();
+    }
+    let closed: u32 = fatal.values().sum();
+    eprintln!(
+        "{sessions} sessions from seed {first_seed}, {rounds} rounds, {changes} server \
+         messages changed: {answered} answered, {closed} closed with a FATAL error, \
+         {terminated} ended by their Terminate, {stalled} unanswered after a change in \
+         their session"
+    );
+    for (reason, n) in &fatal {
+        eprintln!("  {n:5}  FATAL {reason}");
+    }
+    if sessions >= 50 {
+        assert!(
+            answered > 0 && closed > 0 && changes > 0,
+            "{answered} answered, {changes} changes, {fatal:?}"
+        );
+    }
+
+    // Sessions whose rounds went unanswered wait for a reply the server will not send, as a
+    // client of PostgreSQL itself would. Their clients closed, but pgfence goes on until
+    // it has run what a client sent before closing, as PostgreSQL does; their server
+    // processes are still there. When those end, pgfence ends the sessions too.
+    relay.pass_through();
+    let ended = cluster.psql(
+        APP_DB,
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+         WHERE datname = 'app' AND backend_type = 'client backend' AND pid <> pg_backend_pid()",
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (mut console, _) = RawConn::login(proxy.addr(), SUPERUSER, "pgfence");
+        let clients = console.query_rows("SHOW CLIENTS");
+        if clients.len() == 1 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "sessions left after their server processes ended ({} of them, {} ended): \
+             {clients:?}\npgfence's log:\n{}",
+            clients.len() - 1,
+            ended.trim(),
+            proxy.logs()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_unharmed(&proxy);
+}
+
+/// How a login through the relay ended.
+enum Login {
+    /// At a ReadyForQuery.
+    Ready(RawConn),
+    /// pgfence closed the connection after a FATAL error with this message.
+    Closed(String),
+}
+
+/// Logs in through pgfence, whose server's login messages the relay may change.
+fn log_in_through_relay(
+    proxy: SocketAddr,
+    options: &str,
+    give_up: &dyn Fn(Duration) -> bool,
+) -> Result<Login, Failure> {
+    let mut conn = RawConn::connect(proxy);
+    conn.send(&wire::startup_version(
+        wire::PROTOCOL_3_0,
+        &[
+            ("user", SUPERUSER.as_bytes()),
+            ("database", APP_DB.as_bytes()),
+            ("options", options.as_bytes()),
+        ],
+    ));
+    let start = Instant::now();
+    let mut seen = Vec::new();
+    loop {
+        match conn.next(WAIT_SLICE) {
+            Ok(Read1::Msg(m)) if m.tag == b'Z' => return Ok(Login::Ready(conn)),
+            Ok(Read1::Msg(m)) => seen.push(m),
+            Ok(Read1::Closed) => {
+                return match last_fatal(&seen) {
+                    Some(message) => Ok(Login::Closed(message)),
+                    None => Err(closed_quietly(&seen)),
+                }
+            }
+            Err(e) if is_timeout(&e) && !give_up(start.elapsed()) => {}
+            Err(e) => {
+                return Err(Failure::Timeout(format!(
+                    "no ReadyForQuery within {:?} ({e}); last replies: {:?}",
+                    start.elapsed(),
+                    tail(&seen)
+                )))
+            }
+        }
+    }
+}
+
+/// A TCP relay between pgfence and PostgreSQL that changes what the server sends once a
+/// connection has logged in (after its first ReadyForQuery; from its first message in one
+/// connection of four). Each message, with chance
+/// [`SERVER_MUTATION_RATE`], gets its body mutated as the client-side fuzz does, or its
+/// type replaced, or its ReadyForQuery status replaced, or is sent twice; each message's
+/// length field still holds what follows. What pgfence sends goes through unchanged. A
+/// connection draws its changes from the seed armed when it was accepted.
+struct MutatingRelay {
+    port: u16,
+    state: Arc<Mutex<RelayState>>,
+}
+
+#[derive(Default)]
+struct RelayState {
+    /// The seed of the connections accepted now; none: they pass through unchanged.
+    seed: Option<u64>,
+    /// What the relay changed since the test last took it.
+    made: Vec<String>,
+}
+
+impl MutatingRelay {
+    fn start(upstream: u16) -> MutatingRelay {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the relay");
+        let port = listener.local_addr().unwrap().port();
+        let state = Arc::new(Mutex::new(RelayState::default()));
+        let shared = state.clone();
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { continue };
+                let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)) else {
+                    continue;
+                };
+                let seed = shared.lock().unwrap().seed;
+                let state = shared.clone();
+                std::thread::spawn(move || relay_connection(client, server, seed, state));
+            }
+        });
+        MutatingRelay { port, state }
+    }
+
+    /// Seeds the connections accepted from now on, and forgets what was changed.
+    fn arm(&self, seed: u64) {
+        let mut state = self.state.lock().unwrap();
+        state.seed = Some(seed);
+        state.made.clear();
+    }
+
+    /// Leaves the connections accepted from now on unchanged.
+    fn pass_through(&self) {
+        self.state.lock().unwrap().seed = None;
+    }
+
+    /// Whether anything was changed since the last [`Self::arm`] or [`Self::take`].
+    fn changed(&self) -> bool {
+        !self.state.lock().unwrap().made.is_empty()
+    }
+
+    /// What was changed since the last call.
+    fn take(&self) -> Vec<String> {
+        std::mem::take(&mut self.state.lock().unwrap().made)
+    }
+}
+
+/// Relays one connection until either side closes it (unchanged without a seed).
+fn relay_connection(
+    client: TcpStream,
+    server: TcpStream,
+    seed: Option<u64>,
+    state: Arc<Mutex<RelayState>>,
+) {
+    let _ = client.set_nodelay(true);
+    let _ = server.set_nodelay(true);
+    let (mut from_client, mut to_server) =
+        (client.try_clone().unwrap(), server.try_clone().unwrap());
+    std::thread::spawn(move || {
+        let _ = std::io::copy(&mut from_client, &mut to_server);
+        let _ = to_server.shutdown(std::net::Shutdown::Both);
+    });
+    let rate = if seed.is_some() {
+        SERVER_MUTATION_RATE
+    } else {
+        0.0
+    };
+    let mut gen = Gen {
+        rng: StdRng::seed_from_u64(seed.unwrap_or_default() ^ SERVER_SEED_SALT),
+        functions: Vec::new(),
+        statements: STATEMENTS,
+        mutated: true,
+    };
+    let (mut from_server, mut to_client) = (server, client);
+    // One connection in four has its login messages changed too.
+    let mut logged_in = rate > 0.0 && gen.rng.gen_bool(0.25);
+    let mut pending = Vec::new();
+    let mut chunk = vec![0u8; 16 * 1024];
+    while let Ok(n @ 1..) = from_server.read(&mut chunk) {
+        pending.extend_from_slice(&chunk[..n]);
+        let mut out = Vec::new();
+        while pending.len() >= 5 {
+            let len = u32::from_be_bytes([pending[1], pending[2], pending[3], pending[4]]) as usize;
+            if pending.len() < 1 + len {
+                break;
+            }
+            let tag = pending[0];
+            let body = pending[5..1 + len].to_vec();
+            pending.drain(..1 + len);
+            if logged_in && gen.rng.gen_bool(rate) {
+                let (frames, what) = mutate_server_message(&mut gen, tag, body);
+                state.lock().unwrap().made.push(what);
+                out.extend(frames);
+            } else {
+                out.extend(wire::frame(tag, &body));
+            }
+            logged_in |= tag == b'Z';
+        }
+        if to_client.write_all(&out).is_err() {
+            break;
+        }
+    }
+    let _ = to_client.shutdown(std::net::Shutdown::Both);
+}
+
+/// One change to a server message: the frames that stand for it, and what was done.
+fn mutate_server_message(gen: &mut Gen, tag: u8, mut body: Vec<u8>) -> (Vec<u8>, String) {
+    let was = format!("{:?} {:?}", tag as char, shorten(&body));
+    let (tag, what) = match gen.rng.gen_range(0..10) {
+        0..=5 => {
+            gen.mutate(tag, &mut body);
+            (tag, format!("body now {:?}", shorten(&body)))
+        }
+        6 => {
+            let new: u8 = gen.rng.gen();
+            (new, format!("type now {:?}", new as char))
+        }
+        7 => {
+            let new = gen.pick(BACKEND_TAGS);
+            (new, format!("type now {:?}", new as char))
+        }
+        8 if tag == b'Z' => {
+            body = vec![gen.pick(b"IETX")];
+            (tag, format!("status now {:?}", body[0] as char))
+        }
+        _ => {
+            let mut twice = wire::frame(tag, &body);
+            twice.extend(wire::frame(tag, &body));
+            return (twice, format!("{was}: sent twice"));
+        }
+    };
+    (wire::frame(tag, &body), format!("{was}: {what}"))
+}
+
+/// The first bytes of `body`, for a failure's message.
+fn shorten(body: &[u8]) -> String {
+    let head = &body[..body.len().min(40)];
+    let more = if body.len() > head.len() { "..." } else { "" };
+    format!("{}{more}", String::from_utf8_lossy(head))
 }
 
 /// A first packet of the corpus.

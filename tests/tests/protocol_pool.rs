@@ -285,12 +285,7 @@ async fn client_gone_mid_message_is_not_kept() {
     // The same startup packet gets it (tokio-postgres's would not: it sends other
     // parameters).
     let mut again = raw_login(&proxy);
-    again.send(&wire::query("SELECT pg_backend_pid()"));
-    let rows: Vec<_> = again
-        .until_ready()
-        .iter()
-        .filter_map(|m| m.data_row())
-        .collect();
+    let rows = again.query_rows("SELECT pg_backend_pid()");
     assert_eq!(rows, vec![vec![Some(pid.to_string().into_bytes())]]);
 }
 
