@@ -237,25 +237,22 @@ impl Gen {
         let mut terminates = false;
         for _ in 0..self.rng.gen_range(1..=8) {
             let (mut tag, mut body) = self.message();
-            if !self.mutated {
-                terminates |= tag == b'X';
-                out.extend(wire::frame(tag, &body));
-                continue;
-            }
-            if self.rng.gen_bool(0.2) {
-                self.mutate(tag, &mut body);
-            }
-            match self.rng.gen_range(0..100) {
-                // An unknown or backend-only tag: pgfence refuses it (FATAL 08P01).
-                0 | 1 => tag = self.rng.gen(),
-                // A length field below its own size, or beyond the cap.
-                2 => {
-                    out.push(tag);
-                    let len: u32 = self.pick(&[0, 3, MAX_MESSAGE + 5, 0xFFFF_FFF0]);
-                    out.extend_from_slice(&len.to_be_bytes());
-                    return (out, terminates);
+            if self.mutated {
+                if self.rng.gen_bool(0.2) {
+                    self.mutate(tag, &mut body);
                 }
-                _ => {}
+                match self.rng.gen_range(0..100) {
+                    // An unknown or backend-only tag: pgfence refuses it (FATAL 08P01).
+                    0 | 1 => tag = self.rng.gen(),
+                    // A length field below its own size, or beyond the cap.
+                    2 => {
+                        out.push(tag);
+                        let len: u32 = self.pick(&[0, 3, MAX_MESSAGE + 5, 0xFFFF_FFF0]);
+                        out.extend_from_slice(&len.to_be_bytes());
+                        return (out, terminates);
+                    }
+                    _ => {}
+                }
             }
             terminates |= tag == b'X';
             out.extend(wire::frame(tag, &body));
