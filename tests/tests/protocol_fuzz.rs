@@ -410,7 +410,7 @@ fn mutated_messages_never_panic_hang_or_close_quietly() {
     config.limits.max_message_size = MAX_MESSAGE;
     let proxy = fuzz_proxy(config);
     fuzz_sessions(&proxy, first_seed, sessions, &functions, false);
-    assert_unharmed(&proxy);
+    assert_unharmed(&cluster, &proxy);
 }
 
 /// The same on the admin console, whose messages pgfence answers itself (one
@@ -426,7 +426,7 @@ fn mutated_console_messages_never_panic_hang_or_close_quietly() {
     config.admin.database = APP_DB.into();
     let proxy = fuzz_proxy(config);
     fuzz_sessions(&proxy, first_seed, sessions, &functions, true);
-    assert_unharmed(&proxy);
+    assert_unharmed(&cluster, &proxy);
 }
 
 /// A cluster with schema `pgfence` and table `fz` in `app`, and the oids of [`FUNCTIONS`].
@@ -529,16 +529,29 @@ fn fuzz_sessions(
     }
 }
 
-/// pgfence logged no panic, and serves a new session.
-fn assert_unharmed(proxy: &ProxyProcess) {
+/// pgfence logged no panic, and serves a new session; no PostgreSQL process crashed.
+fn assert_unharmed(cluster: &PgCluster, proxy: &ProxyProcess) {
     let logs = proxy.logs();
     assert!(
         !logs.contains("panicked") && !logs.contains("pgfence bug"),
         "pgfence panicked:\n{logs}"
     );
+    assert_no_server_crash(cluster);
     let (mut conn, _) = RawConn::login(proxy.addr(), SUPERUSER, APP_DB);
     let rows = conn.query_rows("SELECT 'still serving'");
     assert_eq!(rows, vec![vec![Some(b"still serving".to_vec())]]);
+}
+
+/// No PostgreSQL process crashed: a crash restarts the server and ends every session,
+/// which hides what pgfence did.
+fn assert_no_server_crash(cluster: &PgCluster) {
+    let server = cluster.server_log();
+    assert!(
+        !server.contains("was terminated by signal"),
+        "a PostgreSQL process crashed (one known cause, with or without pgfence: an Execute \
+         of the unnamed portal left by a simple Query that failed in a transaction block, \
+         docs/postgresql-crash.md); the server's log:\n{server}"
+    );
 }
 
 /// How long a round of the server-side fuzz waits once the relay has changed a reply of its
@@ -656,6 +669,7 @@ fn mutated_server_messages_never_panic_or_close_quietly() {
         );
     }
 
+    assert_no_server_crash(&cluster);
     // Sessions whose rounds went unanswered wait for a reply the server will not send, as a
     // client of PostgreSQL itself would. Their clients closed, but pgfence goes on until
     // it has run what a client sent before closing, as PostgreSQL does; their server
@@ -683,7 +697,7 @@ fn mutated_server_messages_never_panic_or_close_quietly() {
         );
         std::thread::sleep(Duration::from_millis(200));
     }
-    assert_unharmed(&proxy);
+    assert_unharmed(&cluster, &proxy);
 }
 
 /// How a login through the relay ended.
@@ -1101,5 +1115,5 @@ fn mutated_startup_packets_never_panic_or_hang() {
         failures.join("\n"),
         proxy.logs()
     );
-    assert_unharmed(&proxy);
+    assert_unharmed(&cluster, &proxy);
 }
