@@ -16,7 +16,11 @@
 //!   client gets in; with nothing kept, the refusal reaches the client at once.
 //! - [`reuse_off_and_idle_timeout`]: `reuse_servers = false` keeps nothing;
 //!   `server_idle_timeout` closes kept connections.
+//! - [`kept_backend_keeps_its_temporary_schema`]: the known limitation README states (a
+//!   kept connection is a used backend): a statement re-planned on a new backend is not on
+//!   a kept one, as with PostgreSQL alone; `reuse_servers = false` behaves as a new backend.
 
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use harness::wire::{self, RawConn};
@@ -521,4 +525,114 @@ async fn unix_socket_upstream() {
         .unwrap()
         .get(0);
     assert_eq!(n, 1);
+}
+
+/// Prepares a statement, then makes the session's first temporary table, then runs `SET
+/// TRANSACTION ISOLATION LEVEL` right after a Describe of that statement, in one implicit
+/// transaction. On a backend whose temporary schema the table created, the Describe re-plans
+/// the statement (its search path changed), takes a snapshot, and the SET fails with 25001.
+/// On a backend that already had a temporary schema, nothing is re-planned and the SET
+/// succeeds. Returns the SQLSTATE of the last step's error, if any.
+fn describe_then_set_isolation(conn: &mut RawConn) -> Option<String> {
+    let mut first = wire::parse("a", "SELECT g FROM generate_series(1, 5) g", &[]);
+    first.extend(wire::bind("", "a", &[]));
+    first.extend(wire::execute("", 0));
+    first.extend(wire::parse(
+        "",
+        "CREATE TEMP TABLE IF NOT EXISTS t (x int)",
+        &[],
+    ));
+    first.extend(wire::bind("", "", &[]));
+    first.extend(wire::execute("", 0));
+    first.extend(wire::sync());
+    conn.send(&first);
+    let replies = conn.until_ready();
+    assert!(
+        replies.iter().all(|m| m.tag != b'E'),
+        "the statement and the temporary table: {replies:?}"
+    );
+    let mut second = wire::parse("", "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ", &[]);
+    second.extend(wire::sync());
+    conn.send(&second);
+    conn.until_ready();
+    let mut third = wire::describe(b'S', "a");
+    third.extend(wire::bind("p", "", &[]));
+    third.extend(wire::execute("p", 0));
+    third.extend(wire::sync());
+    conn.send(&third);
+    let replies = conn.until_ready();
+    let error = replies.iter().find(|m| m.tag == b'E');
+    if error.is_none() {
+        assert!(
+            replies
+                .iter()
+                .any(|m| m.command_tag().as_deref() == Some("SET")),
+            "no error and no SET: {replies:?}"
+        );
+    }
+    error.and_then(|m| m.sqlstate())
+}
+
+/// Whether the session's backend has a temporary schema (`pg_my_temp_schema()`).
+fn has_temp_schema(conn: &mut RawConn) -> bool {
+    let rows = conn.query_rows("SELECT pg_my_temp_schema() <> 0");
+    rows == vec![vec![Some(b"t".to_vec())]]
+}
+
+/// A client that makes a temporary table, through `proxy`, and leaves; returns the row of
+/// its `pg_backend_pid()`.
+fn leave_a_temp_schema(proxy: &Proxy) -> Vec<Vec<Option<Vec<u8>>>> {
+    let mut conn = raw_login(proxy);
+    conn.query_rows("CREATE TEMP TABLE scratch (x int)");
+    let pid = conn.query_rows("SELECT pg_backend_pid()");
+    conn.send(&wire::terminate());
+    conn.until_closed();
+    pid
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kept_backend_keeps_its_temporary_schema() {
+    let cluster = PgCluster::start();
+    let direct_addr = SocketAddr::from(([127, 0, 0, 1], cluster.port()));
+
+    // PostgreSQL alone: a new backend re-plans; one that made (and dropped) a temporary
+    // table before, then ran DISCARD ALL as pgfence does, does not.
+    let (mut new, _) = RawConn::login(direct_addr, SUPERUSER, APP_DB);
+    assert!(!has_temp_schema(&mut new));
+    assert_eq!(
+        describe_then_set_isolation(&mut new).as_deref(),
+        Some("25001")
+    );
+    let (mut used, _) = RawConn::login(direct_addr, SUPERUSER, APP_DB);
+    used.query_rows("CREATE TEMP TABLE scratch (x int)");
+    used.query_rows("DROP TABLE scratch");
+    used.query_rows("DISCARD ALL");
+    assert!(has_temp_schema(&mut used));
+    assert_eq!(describe_then_set_isolation(&mut used), None);
+
+    // Through pgfence, the next client gets the first one's backend: reset, its table
+    // gone, its temporary schema kept, so it answers as the used backend above.
+    let kept = proxy_with(&cluster, |_| {});
+    let pid = leave_a_temp_schema(&kept);
+    wait_idle_servers(&kept, 1).await;
+    let mut next = raw_login(&kept);
+    assert_eq!(next.query_rows("SELECT pg_backend_pid()"), pid);
+    assert_eq!(
+        next.query_rows("SELECT to_regclass('pg_temp.scratch')"),
+        vec![vec![None]]
+    );
+    assert!(has_temp_schema(&mut next));
+    assert_eq!(describe_then_set_isolation(&mut next), None);
+
+    // With reuse_servers = false, every client gets a new backend, answering as the new
+    // one above.
+    let fresh = proxy_with(&cluster, |c| c.pool.reuse_servers = false);
+    let pid = leave_a_temp_schema(&fresh);
+    let mut next = raw_login(&fresh);
+    assert_ne!(next.query_rows("SELECT pg_backend_pid()"), pid);
+    assert!(!has_temp_schema(&mut next));
+    assert_eq!(
+        describe_then_set_isolation(&mut next).as_deref(),
+        Some("25001")
+    );
 }

@@ -160,10 +160,11 @@ use rand::{Rng, SeedableRng};
 /// Not among them: seed 38026 (run from seed 38000, session 2, step 10), a `SET TRANSACTION
 /// ISOLATION LEVEL` that failed with 25001 through pgfence and not directly. It follows
 /// the kept server connection, not the fence: with `reuse_servers = false` on the fenced
-/// pgfence the same difference showed through the unfenced one instead. A backend that
-/// served a session before, reset with `DISCARD ALL`, re-planned a described statement
-/// (taking a snapshot) where a new backend did not; PostgreSQL alone does the same (README,
-/// known limitations).
+/// pgfence the same difference showed through the unfenced one instead. The state behind
+/// it is the backend's temporary schema, which outlives `DISCARD ALL`: a prepared statement
+/// is re-planned (taking a snapshot) when that schema appears after it was planned, so the
+/// same sequence re-plans on a backend without one and not on a backend that has one;
+/// PostgreSQL alone does the same (README, known limitations).
 const REGRESSION_SEEDS: &[u64] = &[
     1094, 1242, 2341, 2509, 2860, 5146, 5322, 5480, 5625, 5678, 5732, 5764, 9717, 10281, 26580,
     31407, 34894, 35610, 44790, 46554, 51243, 57295, 60947,
