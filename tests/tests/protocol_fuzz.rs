@@ -266,8 +266,8 @@ impl Gen {
 enum Outcome {
     /// The probe was answered: the session goes on.
     Answered,
-    /// The connection closed after a FATAL error with this message.
-    ClosedWithError(String),
+    /// The connection closed after this FATAL error.
+    ClosedWithError(Fatal),
     /// The connection closed after the round's Terminate.
     Terminated,
 }
@@ -342,7 +342,7 @@ fn run_round(
             }
             Ok(Read1::Closed) => {
                 return match (last_fatal(&seen), terminates) {
-                    (Some(message), _) => Ok(Outcome::ClosedWithError(message)),
+                    (Some(fatal), _) => Ok(Outcome::ClosedWithError(fatal)),
                     (None, true) => Ok(Outcome::Terminated),
                     (None, false) => Err(closed_quietly(&seen)),
                 };
@@ -359,11 +359,21 @@ fn run_round(
     }
 }
 
-/// The message of the FATAL (or PANIC) error that `seen` ends with, if it does.
-fn last_fatal(seen: &[Msg]) -> Option<String> {
+/// A FATAL (or PANIC) error a connection closed after.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Fatal {
+    code: String,
+    message: String,
+}
+
+/// The FATAL (or PANIC) error that `seen` ends with, if it does.
+fn last_fatal(seen: &[Msg]) -> Option<Fatal> {
     seen.last()
         .filter(|m| m.tag == b'E' && matches!(m.field(b'V').as_deref(), Some("FATAL" | "PANIC")))
-        .map(|m| m.field(b'M').unwrap_or_default())
+        .map(|m| Fatal {
+            code: m.sqlstate().unwrap_or_default(),
+            message: m.field(b'M').unwrap_or_default(),
+        })
 }
 
 fn closed_quietly(seen: &[Msg]) -> Failure {
@@ -409,7 +419,7 @@ fn mutated_messages_never_panic_hang_or_close_quietly() {
     let mut config = Proxy::config_for(&cluster);
     config.limits.max_message_size = MAX_MESSAGE;
     let proxy = fuzz_proxy(config);
-    fuzz_sessions(&proxy, first_seed, sessions, &functions, false);
+    fuzz_sessions(&cluster, &proxy, first_seed, sessions, &functions, false);
     assert_unharmed(&cluster, &proxy);
 }
 
@@ -425,7 +435,7 @@ fn mutated_console_messages_never_panic_hang_or_close_quietly() {
     config.admin.users = vec![SUPERUSER.into()];
     config.admin.database = APP_DB.into();
     let proxy = fuzz_proxy(config);
-    fuzz_sessions(&proxy, first_seed, sessions, &functions, true);
+    fuzz_sessions(&cluster, &proxy, first_seed, sessions, &functions, true);
     assert_unharmed(&cluster, &proxy);
 }
 
@@ -455,6 +465,7 @@ fn fuzz_proxy(config: pgfence_config::Config) -> ProxyProcess {
 /// Runs the seeded sessions through `proxy` (on the admin console if `console`), and
 /// prints how their rounds ended.
 fn fuzz_sessions(
+    cluster: &PgCluster,
     proxy: &ProxyProcess,
     first_seed: u64,
     sessions: u64,
@@ -487,7 +498,13 @@ fn fuzz_sessions(
             options.push_str(" -c fencing.token=7 -c fencing.resource=fz");
         }
         let database = if console { "pgfence" } else { APP_DB };
-        let mut conn = RawConn::login_with_options(proxy.addr(), SUPERUSER, database, &options);
+        let login = std::panic::catch_unwind(|| {
+            RawConn::login_with_options(proxy.addr(), SUPERUSER, database, &options)
+        });
+        let mut conn = login.unwrap_or_else(|failed| {
+            assert_no_server_crash(cluster, &format!("before seed {seed}'s login"));
+            std::panic::resume_unwind(failed)
+        });
         for _ in 0..gen.rng.gen_range(1..=8) {
             rounds += 1;
             let (bytes, terminates) = gen.round();
@@ -504,8 +521,12 @@ fn fuzz_sessions(
             match outcome {
                 Outcome::Answered => answered += 1,
                 Outcome::Terminated => terminated += 1,
-                Outcome::ClosedWithError(message) => {
-                    *fatal.entry(reason(&message)).or_default() += 1;
+                Outcome::ClosedWithError(closed) => {
+                    // Not a protocol violation: maybe a server process gone.
+                    if closed.code != "08P01" {
+                        assert_no_server_crash(cluster, &format!("by seed {seed}'s end"));
+                    }
+                    *fatal.entry(reason(&closed.message)).or_default() += 1;
                 }
             }
             if !goes_on {
@@ -536,19 +557,19 @@ fn assert_unharmed(cluster: &PgCluster, proxy: &ProxyProcess) {
         !logs.contains("panicked") && !logs.contains("pgfence bug"),
         "pgfence panicked:\n{logs}"
     );
-    assert_no_server_crash(cluster);
+    assert_no_server_crash(cluster, "by the end");
     let (mut conn, _) = RawConn::login(proxy.addr(), SUPERUSER, APP_DB);
     let rows = conn.query_rows("SELECT 'still serving'");
     assert_eq!(rows, vec![vec![Some(b"still serving".to_vec())]]);
 }
 
-/// No PostgreSQL process crashed: a crash restarts the server and ends every session,
-/// which hides what pgfence did.
-fn assert_no_server_crash(cluster: &PgCluster) {
+/// No PostgreSQL process crashed `when` (say, by a seed's end): a crash restarts the
+/// server and ends every session, which hides what pgfence did.
+fn assert_no_server_crash(cluster: &PgCluster, when: &str) {
     let server = cluster.server_log();
     assert!(
         !server.contains("was terminated by signal"),
-        "a PostgreSQL process crashed (one known cause, with or without pgfence: an Execute \
+        "a PostgreSQL process crashed {when} (one known cause, with or without pgfence: an Execute \
          of the unnamed portal left by a simple Query that failed in a transaction block, \
          docs/postgresql-crash.md); the server's log:\n{server}"
     );
@@ -610,8 +631,8 @@ fn mutated_server_messages_never_panic_or_close_quietly() {
         let login = log_in_through_relay(proxy.addr(), &options, &give_up);
         let mut session = match login {
             Ok(Login::Ready(conn)) => Some(conn),
-            Ok(Login::Closed(message)) => {
-                *fatal.entry(reason(&message)).or_default() += 1;
+            Ok(Login::Closed(closed)) => {
+                *fatal.entry(reason(&closed.message)).or_default() += 1;
                 None
             }
             Err(Failure::Timeout(_)) if relay.changed() => {
@@ -636,8 +657,8 @@ fn mutated_server_messages_never_panic_or_close_quietly() {
                     continue;
                 }
                 Ok(Outcome::Terminated) => terminated += 1,
-                Ok(Outcome::ClosedWithError(message)) => {
-                    *fatal.entry(reason(&message)).or_default() += 1
+                Ok(Outcome::ClosedWithError(closed)) => {
+                    *fatal.entry(reason(&closed.message)).or_default() += 1
                 }
                 Err(Failure::Timeout(_)) if relay.changed() => stalled += 1,
                 Err(e) => panic!(
@@ -669,7 +690,7 @@ fn mutated_server_messages_never_panic_or_close_quietly() {
         );
     }
 
-    assert_no_server_crash(&cluster);
+    assert_no_server_crash(&cluster, "by the end");
     // Sessions whose rounds went unanswered wait for a reply the server will not send, as a
     // client of PostgreSQL itself would. Their clients closed, but pgfence goes on until
     // it has run what a client sent before closing, as PostgreSQL does; their server
@@ -704,8 +725,8 @@ fn mutated_server_messages_never_panic_or_close_quietly() {
 enum Login {
     /// At a ReadyForQuery.
     Ready(RawConn),
-    /// pgfence closed the connection after a FATAL error with this message.
-    Closed(String),
+    /// pgfence closed the connection after this FATAL error.
+    Closed(Fatal),
 }
 
 /// Logs in through pgfence, whose server's login messages the relay may change.
@@ -731,7 +752,7 @@ fn log_in_through_relay(
             Ok(Read1::Msg(m)) => seen.push(m),
             Ok(Read1::Closed) => {
                 return match last_fatal(&seen) {
-                    Some(message) => Ok(Login::Closed(message)),
+                    Some(fatal) => Ok(Login::Closed(fatal)),
                     None => Err(closed_quietly(&seen)),
                 }
             }
