@@ -154,23 +154,7 @@ pub(crate) fn sweep_orphans() {
     ONCE.call_once(|| {
         let mut roots = vec![cluster_root(), Path::new(SHM), Path::new("/tmp")];
         roots.dedup();
-        for entry in roots
-            .iter()
-            .filter_map(|r| fs::read_dir(r).ok())
-            .flatten()
-            .flatten()
-        {
-            let name = entry.file_name();
-            let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(DIR_PREFIX)) else {
-                continue;
-            };
-            let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
-                continue;
-            };
-            if Path::new(&format!("/proc/{pid}")).exists() {
-                continue;
-            }
-            let dir = entry.path();
+        for dir in orphaned_dirs(&roots, DIR_PREFIX) {
             let data = dir.join("data");
             if data.join("postmaster.pid").exists() {
                 let started = Instant::now();
@@ -184,4 +168,24 @@ pub(crate) fn sweep_orphans() {
             let _ = fs::remove_dir_all(&dir);
         }
     });
+}
+
+/// The directories in `roots` named `<prefix><pid>-...` whose test process `pid` is gone.
+pub(crate) fn orphaned_dirs(roots: &[&Path], prefix: &str) -> Vec<PathBuf> {
+    roots
+        .iter()
+        .filter_map(|r| fs::read_dir(r).ok())
+        .flatten()
+        .flatten()
+        .filter(|entry| {
+            let name = entry.file_name();
+            let owner = name
+                .to_str()
+                .and_then(|n| n.strip_prefix(prefix))
+                .and_then(|rest| rest.split('-').next())
+                .and_then(|pid| pid.parse::<u32>().ok());
+            owner.is_some_and(|pid| !Path::new(&format!("/proc/{pid}")).exists())
+        })
+        .map(|entry| entry.path())
+        .collect()
 }

@@ -10,11 +10,17 @@
 //! `{port}` (the port picked for it), `{listen}` (`127.0.0.1:<port>`), `{config}` (the path
 //! of the TOML file written from [`ProxyProcessBuilder::config`]). The environment also gets
 //! `PGFENCE_LISTEN=127.0.0.1:<port>` and `NO_COLOR=1`.
+//!
+//! Each process gets a directory `<tmp>/pgfence-proc-<test pid>-XXXXXX` (config, output,
+//! and a file `child` naming the process). A process is killed on drop; one left running
+//! by a test process that died without unwinding (SIGKILL, a timeout) is killed, and its
+//! directory removed, by the next test process that starts one.
 
 use std::fs;
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::Once;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -31,6 +37,10 @@ use crate::ports::free_port;
 pub const CONFIG_FLAG: &str = "--config";
 /// How often a start is retried after losing the race for its port.
 const START_ATTEMPTS: usize = 3;
+/// The start of a process directory's name; the test process's pid follows.
+const DIR_PREFIX: &str = "pgfence-proc-";
+/// The file in a process directory that names the process: pid and start time.
+const CHILD_FILE: &str = "child";
 
 /// Options for a [`ProxyProcess`].
 #[derive(Debug, Clone)]
@@ -97,8 +107,9 @@ impl ProxyProcessBuilder {
     /// process's output when it exits or times out first.
     pub fn start(self) -> ProxyProcess {
         let program = self.program.clone().unwrap_or_else(ProxyProcess::binary);
+        sweep_orphaned_proxies();
         let dir = tempfile::Builder::new()
-            .prefix("pgfence-proc-")
+            .prefix(&format!("{DIR_PREFIX}{}-", std::process::id()))
             .tempdir()
             .expect("create a directory for the proxy's log and config");
         let mut last_log = String::new();
@@ -153,6 +164,10 @@ impl ProxyProcessBuilder {
         let mut child = cmd
             .spawn()
             .map_err(|e| Failure::Other(format!("could not be started: {e}")))?;
+        if let Some(started) = start_time(child.id()) {
+            let named = format!("{} {started}", child.id());
+            fs::write(dir.path().join(CHILD_FILE), named).expect("write the proxy's pid file");
+        }
 
         let read_log = || {
             fs::read(&log_path)
@@ -195,6 +210,39 @@ impl ProxyProcessBuilder {
 enum Failure {
     PortTaken(String),
     Other(String),
+}
+
+/// When process `pid` started (field 22 of `/proc/<pid>/stat`, in clock ticks since boot),
+/// which tells it from a later process given the same pid.
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name, field 2, is in parentheses and may hold spaces.
+    let after_name = &stat[stat.rfind(')')? + 1..];
+    after_name.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// Kills the `pgfence` processes that test processes since gone left running, and removes
+/// their directories (once per test process).
+fn sweep_orphaned_proxies() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let tmp = std::env::temp_dir();
+        for dir in crate::host::orphaned_dirs(&[tmp.as_path()], DIR_PREFIX) {
+            let child = fs::read_to_string(dir.join(CHILD_FILE)).unwrap_or_default();
+            let mut fields = child.split_whitespace().map(|f| f.parse::<u64>().ok());
+            if let (Some(Some(pid)), Some(Some(started))) = (fields.next(), fields.next()) {
+                let pid = u32::try_from(pid).unwrap_or(0);
+                if pid > 0 && start_time(pid) == Some(started) {
+                    let _ = kill(Pid::from_raw(pid as i32), Signal::SIGKILL);
+                    eprintln!(
+                        "harness: killed an orphaned pgfence (pid {pid}) of {}",
+                        dir.display()
+                    );
+                }
+            }
+            let _ = fs::remove_dir_all(&dir);
+        }
+    });
 }
 
 /// A running `pgfence` process. Killed (SIGKILL) on drop.
