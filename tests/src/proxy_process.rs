@@ -229,10 +229,11 @@ fn sweep_orphaned_proxies() {
         let tmp = std::env::temp_dir();
         for dir in crate::host::orphaned_dirs(&[tmp.as_path()], DIR_PREFIX) {
             let child = fs::read_to_string(dir.join(CHILD_FILE)).unwrap_or_default();
-            let mut fields = child.split_whitespace().map(|f| f.parse::<u64>().ok());
-            if let (Some(Some(pid)), Some(Some(started))) = (fields.next(), fields.next()) {
-                let pid = u32::try_from(pid).unwrap_or(0);
-                if pid > 0 && start_time(pid) == Some(started) {
+            let mut fields = child.split_whitespace();
+            let pid = fields.next().and_then(|f| f.parse::<u32>().ok());
+            let started = fields.next().and_then(|f| f.parse::<u64>().ok());
+            if let (Some(pid @ 1..), Some(started)) = (pid, started) {
+                if start_time(pid) == Some(started) {
                     let _ = kill(Pid::from_raw(pid as i32), Signal::SIGKILL);
                     eprintln!(
                         "harness: killed an orphaned pgfence (pid {pid}) of {}",
