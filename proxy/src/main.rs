@@ -346,6 +346,9 @@ async fn serve(config: Config, source: Source, threads: usize) -> Result<(), Str
     if let Some(path) = &socket_path {
         let _ = std::fs::remove_file(path);
     }
+    if served.is_ok() {
+        info!("pgfence stopped");
+    }
     served.map_err(|e| e.to_string())
 }
 
@@ -358,17 +361,41 @@ async fn reload_on_sighup(shared: Arc<Shared>, mut hup: Signal) {
     }
 }
 
-/// SIGINT drains, SIGTERM waits for clients (PgBouncer's meanings). The handlers are
-/// installed now; the future waits for the first of them.
-fn signals() -> Result<impl std::future::Future<Output = ShutdownMode>, String> {
+/// SIGTERM waits for clients, SIGINT drains, SIGQUIT closes every session now (PgBouncer's
+/// meanings); during a shutdown, SIGINT turns a wait for clients into a drain and any
+/// other of them makes it immediate. The handlers are installed now; the modes go to
+/// [`pgfence::run_with`] as the signals come.
+fn signals() -> Result<tokio::sync::mpsc::Receiver<ShutdownMode>, String> {
     let mut term =
         signal(SignalKind::terminate()).map_err(|e| format!("cannot handle SIGTERM: {e}"))?;
     let mut int =
         signal(SignalKind::interrupt()).map_err(|e| format!("cannot handle SIGINT: {e}"))?;
-    Ok(async move {
-        tokio::select! {
-            _ = term.recv() => { info!("SIGTERM: waiting for clients to disconnect"); ShutdownMode::WaitForClients }
-            _ = int.recv() => { info!("SIGINT: closing sessions as they become idle"); ShutdownMode::Drain }
+    let mut quit = signal(SignalKind::quit()).map_err(|e| format!("cannot handle SIGQUIT: {e}"))?;
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tokio::spawn(async move {
+        let mut current = None;
+        loop {
+            let (name, asked) = tokio::select! {
+                _ = term.recv() => ("SIGTERM", ShutdownMode::WaitForClients),
+                _ = int.recv() => ("SIGINT", ShutdownMode::Drain),
+                _ = quit.recv() => ("SIGQUIT", ShutdownMode::Immediate),
+            };
+            let mode = match (current, asked) {
+                (None, asked) => asked,
+                (Some(ShutdownMode::WaitForClients), ShutdownMode::Drain) => ShutdownMode::Drain,
+                (Some(_), _) => ShutdownMode::Immediate,
+            };
+            let effect = match mode {
+                ShutdownMode::WaitForClients => "waiting for clients to disconnect",
+                ShutdownMode::Drain => "closing sessions as they become idle",
+                ShutdownMode::Immediate => "closing every session now",
+            };
+            info!(signal = name, "{effect}");
+            current = Some(mode);
+            if tx.send(mode).await.is_err() {
+                return;
+            }
         }
-    })
+    });
+    Ok(rx)
 }

@@ -8,6 +8,11 @@
 //! - [`ShutdownMode::WaitForClients`] (SIGTERM): stop accepting, let sessions run until
 //!   their clients disconnect, for up to `limits.shutdown_timeout`; then drain as above for
 //!   a last second and close what is left.
+//! - [`ShutdownMode::Immediate`] (SIGQUIT, or a second signal during a shutdown): close
+//!   every session now; open transactions roll back.
+//!
+//! A shutdown in progress only ever becomes less patient: from waiting for clients to
+//! draining, from either to immediate.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -97,43 +102,56 @@ impl Workers {
 pub enum ShutdownMode {
     Drain,
     WaitForClients,
+    Immediate,
+}
+
+impl ShutdownMode {
+    /// How patient a mode is; a shutdown in progress only moves to a lower one.
+    fn patience(self) -> u8 {
+        match self {
+            ShutdownMode::WaitForClients => 2,
+            ShutdownMode::Drain => 1,
+            ShutdownMode::Immediate => 0,
+        }
+    }
 }
 
 /// Serves clients accepted on `listener` until `shutdown` completes, then drains.
 pub async fn run(
     listener: TcpListener,
     config: Arc<Config>,
-    shutdown: impl Future<Output = ()> + Send,
+    shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let shared = Arc::new(
         Shared::new(config)
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?,
     );
-    run_with(listener, None, shared, None, async move {
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tokio::spawn(async move {
         shutdown.await;
-        ShutdownMode::Drain
-    })
-    .await
+        let _ = tx.send(ShutdownMode::Drain).await;
+    });
+    run_with(listener, None, shared, None, rx).await
 }
 
 /// Like [`run`], with clients of a Unix-domain socket too (`unix`, bound by the caller, who
 /// removes its file after), state the caller keeps (reload, admin), worker threads
-/// (`None`: sessions run on the caller's runtime) and a choice of shutdown.
+/// (`None`: sessions run on the caller's runtime) and a choice of shutdown: the first mode
+/// received starts it, a later less patient one takes over (see the module's doc).
 pub async fn run_with(
     listener: TcpListener,
     unix: Option<UnixListener>,
     shared: Arc<Shared>,
     workers: Option<Workers>,
-    shutdown: impl Future<Output = ShutdownMode> + Send,
+    mut shutdown: tokio::sync::mpsc::Receiver<ShutdownMode>,
 ) -> std::io::Result<()> {
     let tracker = TaskTracker::new();
     let drain = CancellationToken::new();
     let kill = CancellationToken::new();
     let sweeper = tokio::spawn(sweep_idle_servers(shared.clone()));
-    tokio::pin!(shutdown);
     let mode = loop {
         tokio::select! {
-            mode = &mut shutdown => break mode,
+            Some(mode) = shutdown.recv() => break mode,
             accepted = accept(&listener, unix.as_ref()) => match accepted {
                 Ok((stream, peer)) => {
                     let shared = shared.clone();
@@ -177,23 +195,50 @@ pub async fn run_with(
         ?timeout,
         "shutting down: no longer accepting clients"
     );
-    if mode == ShutdownMode::Drain {
-        drain.cancel();
-    }
-    if tokio::time::timeout(timeout, tracker.wait()).await.is_err() {
-        drain.cancel();
-        if tokio::time::timeout(Duration::from_secs(1), tracker.wait())
-            .await
-            .is_err()
-        {
-            warn!(
-                sessions = tracker.len(),
-                "shutdown timeout reached: closing remaining sessions"
-            );
-            // After `drain`, always: sessions only listen for `kill` once draining.
-            kill.cancel();
-            let _ = tokio::time::timeout(Duration::from_secs(2), tracker.wait()).await;
+    let mut mode = mode;
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        match mode {
+            ShutdownMode::WaitForClients => {}
+            ShutdownMode::Drain => drain.cancel(),
+            ShutdownMode::Immediate => {
+                // After `drain`, always: sessions only listen for `kill` once draining.
+                drain.cancel();
+                kill.cancel();
+                break;
+            }
         }
+        tokio::select! {
+            () = tracker.wait() => break,
+            () = tokio::time::sleep_until(deadline) => {
+                info!(
+                    sessions = tracker.len(),
+                    "shutdown timeout reached: closing sessions as they become idle, the rest in 1 s"
+                );
+                drain.cancel();
+                if tokio::time::timeout(Duration::from_secs(1), tracker.wait())
+                    .await
+                    .is_err()
+                {
+                    warn!(
+                        sessions = tracker.len(),
+                        "shutdown timeout reached: closing remaining sessions"
+                    );
+                    mode = ShutdownMode::Immediate;
+                    continue;
+                }
+                break;
+            }
+            Some(next) = shutdown.recv() => {
+                if next.patience() < mode.patience() {
+                    info!(?next, sessions = tracker.len(), "shutdown: less patient from now on");
+                    mode = next;
+                }
+            }
+        }
+    }
+    if mode == ShutdownMode::Immediate {
+        let _ = tokio::time::timeout(Duration::from_secs(2), tracker.wait()).await;
     }
     sweeper.abort();
     shared.pool.clear();

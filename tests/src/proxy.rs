@@ -218,7 +218,7 @@ impl Drop for Proxy {
 fn run(
     listener: tokio::net::TcpListener,
     config: Arc<Config>,
-    shutdown: impl Future<Output = ()> + Send,
+    shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> impl Future<Output = io::Result<()>> {
     pgfence::run(listener, config, shutdown)
 }

@@ -10,6 +10,9 @@
 //! - [`sigint_closes_idle_sessions`]: SIGINT closes idle sessions at once (FATAL 57P01),
 //!   lets a session in a transaction finish it and closes it right after its COMMIT; then
 //!   the process exits.
+//! - [`sigquit_closes_every_session_now`], [`a_second_sigterm_closes_every_session_now`]:
+//!   immediate shutdown, open transactions rolled back, as in PgBouncer.
+//! - [`sigint_after_sigterm_closes_idle_sessions`]: a wait for clients becomes a drain.
 
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
@@ -189,4 +192,79 @@ fn sigint_closes_idle_sessions() {
         "{:?}",
         signalled.elapsed()
     );
+}
+
+/// Two sessions, one idle and one in a transaction; `signals` are sent in turn, then both
+/// are closed at once with FATAL 57P01, the transaction rolled back, and the process exits
+/// well before its 30 s shutdown timeout.
+fn closes_every_session_now(signals: &[Signal]) {
+    let cluster = PgCluster::start();
+    let mut proxy = start(&cluster, Duration::from_secs(30));
+    let mut idle = login(&proxy);
+    let mut busy = login(&proxy);
+    exec(&mut busy, "BEGIN; INSERT INTO t VALUES (1)");
+
+    let signalled = Instant::now();
+    for (i, &signal) in signals.iter().enumerate() {
+        if i > 0 {
+            // The first one took effect: no longer accepting, sessions still open.
+            wait_refused(proxy.addr());
+            assert_eq!(exec(&mut idle, "SELECT 1"), ["SELECT 1"]);
+        }
+        proxy.signal(signal);
+    }
+    expect_goodbye(&mut idle);
+    expect_goodbye(&mut busy);
+    let status = proxy
+        .wait_timeout(Duration::from_secs(5))
+        .unwrap_or_else(|| panic!("still running 5 s after {signals:?}"));
+    assert!(status.success(), "{status}\n{}", proxy.logs());
+    assert!(
+        signalled.elapsed() < Duration::from_secs(10),
+        "{:?} after {signals:?}; the shutdown timeout is 30 s",
+        signalled.elapsed()
+    );
+    assert_eq!(ids(&cluster).trim(), "", "the open transaction committed");
+    let logs = proxy.logs();
+    assert!(logs.contains("closing every session now"), "{logs}");
+    assert!(logs.contains("pgfence stopped"), "{logs}");
+}
+
+#[test]
+fn sigquit_closes_every_session_now() {
+    closes_every_session_now(&[Signal::SIGQUIT]);
+}
+
+#[test]
+fn a_second_sigterm_closes_every_session_now() {
+    closes_every_session_now(&[Signal::SIGTERM, Signal::SIGTERM]);
+}
+
+#[test]
+fn sigint_after_sigterm_closes_idle_sessions() {
+    let cluster = PgCluster::start();
+    let mut proxy = start(&cluster, Duration::from_secs(30));
+    let mut idle = login(&proxy);
+    let mut busy = login(&proxy);
+    exec(&mut busy, "BEGIN; INSERT INTO t VALUES (1)");
+
+    proxy.signal(Signal::SIGTERM);
+    wait_refused(proxy.addr());
+    assert_eq!(exec(&mut idle, "SELECT 1"), ["SELECT 1"]);
+    let signalled = Instant::now();
+    proxy.signal(Signal::SIGINT);
+    expect_goodbye(&mut idle);
+    assert!(
+        signalled.elapsed() < Duration::from_secs(3),
+        "idle session closed {:?} after SIGINT",
+        signalled.elapsed()
+    );
+    // The transaction goes on to its end, then the session is closed.
+    assert_eq!(exec(&mut busy, "COMMIT"), ["COMMIT"]);
+    expect_goodbye(&mut busy);
+    assert_eq!(ids(&cluster).trim(), "1");
+    let status = proxy
+        .wait_timeout(Duration::from_secs(5))
+        .expect("exits once every session is closed");
+    assert!(status.success(), "{status}");
 }
