@@ -59,16 +59,18 @@ pub async fn install_with(
         .connect_raw(stream, tokio_postgres::NoTls)
         .await
         .map_err(|e| {
-            format!("cannot connect to {upstream} (database {database:?}, user {user:?}): {e}")
+            format!(
+                "cannot connect to {upstream} (database {database:?}, user {user:?}): {}",
+                describe(&e)
+            )
         })?;
     let task = tokio::spawn(connection);
     let grant = grant_to.or(config.fence.grant_to.as_deref());
     let failed = |e: tokio_postgres::Error| {
-        let detail = e
-            .as_db_error()
-            .map(|d| d.message().to_string())
-            .unwrap_or_else(|| e.to_string());
-        format!("installing schema pgfence into database {database:?} failed: {detail}")
+        format!(
+            "installing schema pgfence into database {database:?} failed: {}",
+            describe(&e)
+        )
     };
     let accept = if row_locks_may_be_in_use(&client).await.map_err(failed)? {
         client
@@ -120,6 +122,29 @@ pub async fn install_with(
         "schema pgfence installed"
     );
     Ok(())
+}
+
+/// What went wrong, in the server's words when it answered with an error (tokio-postgres
+/// itself only says "db error"), else with the causes behind the error ("invalid
+/// configuration: password missing").
+fn describe(e: &tokio_postgres::Error) -> String {
+    if let Some(db) = e.as_db_error() {
+        let mut text = format!("{} {}: {}", db.severity(), db.code().code(), db.message());
+        if let Some(detail) = db.detail() {
+            text.push_str(&format!(" (DETAIL: {detail})"));
+        }
+        if let Some(hint) = db.hint() {
+            text.push_str(&format!(" (HINT: {hint})"));
+        }
+        return text;
+    }
+    let mut text = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        text.push_str(&format!(": {cause}"));
+        source = cause.source();
+    }
+    text
 }
 
 /// Whether an installed schema may still have transactions accepting fences under row locks

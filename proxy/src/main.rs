@@ -28,16 +28,11 @@ struct Cli {
     #[arg(long, short = 'c', env = "PGFENCE_CONFIG", global = true)]
     config: Option<PathBuf>,
     /// Address to accept clients on [default: 127.0.0.1:6432].
-    #[arg(long, env = "PGFENCE_LISTEN", global = true)]
+    #[arg(long, env = "PGFENCE_LISTEN")]
     listen: Option<SocketAddr>,
     /// Also accept clients on a Unix-domain socket in DIR, DIR/.s.PGSQL.<listen port>
     /// [default: none].
-    #[arg(
-        long,
-        value_name = "DIR",
-        env = "PGFENCE_UNIX_SOCKET_DIR",
-        global = true
-    )]
+    #[arg(long, value_name = "DIR", env = "PGFENCE_UNIX_SOCKET_DIR")]
     unix_socket_dir: Option<String>,
     /// Upstream PostgreSQL as HOST:PORT (or HOST, port 5432); a HOST starting with / is the
     /// directory of its Unix-domain socket, e.g. /var/run/postgresql:5432
@@ -82,54 +77,34 @@ struct Cli {
     #[arg(long, env = "PGFENCE_LOG_FORMAT", value_parser = parse_log_format, global = true)]
     log_format: Option<LogFormat>,
     /// Serve Prometheus metrics at http://ADDR/metrics [default: off].
-    #[arg(long, env = "PGFENCE_METRICS_ADDR", global = true)]
+    #[arg(long, env = "PGFENCE_METRICS_ADDR")]
     metrics_addr: Option<SocketAddr>,
     /// Largest protocol message accepted, in bytes [default: 268435456].
-    #[arg(long, env = "PGFENCE_MAX_MESSAGE_SIZE", global = true)]
+    #[arg(long, env = "PGFENCE_MAX_MESSAGE_SIZE")]
     max_message_size: Option<u32>,
     /// Worker threads running client sessions, each a single-threaded runtime; a new session
     /// goes to the one with the fewest sessions [default: the number of CPUs pgfence may
     /// use; 1 behaves like PgBouncer's single thread].
-    #[arg(long, env = "PGFENCE_THREADS", global = true)]
+    #[arg(long, env = "PGFENCE_THREADS")]
     threads: Option<usize>,
     /// TLS for clients: disable, allow (or prefer: TLS when the client asks), require
     /// (plain TCP logins refused), verify-ca (and a client certificate signed by a CA of
     /// --client-tls-ca-file) or verify-full (and its CN is the user name) [default:
     /// disable]. Needs --client-tls-cert-file and --client-tls-key-file.
-    #[arg(
-        long,
-        value_name = "MODE",
-        env = "PGFENCE_CLIENT_TLS_SSLMODE",
-        global = true
-    )]
+    #[arg(long, value_name = "MODE", env = "PGFENCE_CLIENT_TLS_SSLMODE")]
     client_tls_sslmode: Option<ClientSslMode>,
     /// PEM file with the certificate pgfence presents to TLS clients (then its chain).
-    #[arg(
-        long,
-        value_name = "FILE",
-        env = "PGFENCE_CLIENT_TLS_CERT_FILE",
-        global = true
-    )]
+    #[arg(long, value_name = "FILE", env = "PGFENCE_CLIENT_TLS_CERT_FILE")]
     client_tls_cert_file: Option<PathBuf>,
     /// PEM file with that certificate's private key.
-    #[arg(
-        long,
-        value_name = "FILE",
-        env = "PGFENCE_CLIENT_TLS_KEY_FILE",
-        global = true
-    )]
+    #[arg(long, value_name = "FILE", env = "PGFENCE_CLIENT_TLS_KEY_FILE")]
     client_tls_key_file: Option<PathBuf>,
     /// PEM file with the CA certificates that sign clients' certificates: needed by the
     /// verify modes; with allow or require, clients are asked for an optional certificate.
-    #[arg(
-        long,
-        value_name = "FILE",
-        env = "PGFENCE_CLIENT_TLS_CA_FILE",
-        global = true
-    )]
+    #[arg(long, value_name = "FILE", env = "PGFENCE_CLIENT_TLS_CA_FILE")]
     client_tls_ca_file: Option<PathBuf>,
     /// Run as a plain proxy without the fence (for comparisons).
-    #[arg(long, env = "PGFENCE_NO_FENCE", global = true)]
+    #[arg(long, env = "PGFENCE_NO_FENCE")]
     no_fence: bool,
     #[command(subcommand)]
     command: Option<Command>,
@@ -138,17 +113,25 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Create or upgrade schema `pgfence` (fences, history, check function) in a database.
+    ///
+    /// Connects to the upstream of --upstream (PGFENCE_UPSTREAM, or the config file's
+    /// `upstream`) with its TLS settings. Without --database it installs into the config
+    /// file's `[fence.install] databases`, as `[fence.install] user`, and else into
+    /// database postgres.
     Install {
-        /// Database to install into.
-        #[arg(long, short = 'd', default_value = "postgres")]
-        database: String,
-        /// User to connect as (needs CREATE on the database).
-        #[arg(long, short = 'U', default_value = "postgres", env = "PGUSER")]
-        user: String,
+        /// Database to install into; repeat for several [default: the config file's
+        /// `[fence.install] databases`, else postgres].
+        #[arg(long, short = 'd')]
+        database: Vec<String>,
+        /// User to connect as, who needs CREATE on the database [default: the config
+        /// file's `[fence.install] user`, else postgres].
+        #[arg(long, short = 'U', env = "PGUSER")]
+        user: Option<String>,
         /// Password, if the server asks for one.
         #[arg(long, env = "PGPASSWORD", hide_env_values = true)]
         password: Option<String>,
-        /// Role granted EXECUTE on the check function [default: PUBLIC].
+        /// Role granted EXECUTE on the check function [default: the config file's
+        /// `fence.grant_to`, else PUBLIC].
         #[arg(long)]
         grant_to: Option<String>,
     },
@@ -270,13 +253,30 @@ fn main() -> ExitCode {
             user,
             password,
             grant_to,
-        }) => runtime.block_on(pgfence::install::install(
-            &config,
-            &database,
-            &user,
-            password.as_deref(),
-            grant_to.as_deref(),
-        )),
+        }) => {
+            let from_config = config.fence.install.as_ref();
+            let databases = match (database.is_empty(), from_config) {
+                (false, _) => database,
+                (true, Some(install)) if !install.databases.is_empty() => install.databases.clone(),
+                _ => vec!["postgres".to_string()],
+            };
+            let user = user
+                .or_else(|| from_config.map(|i| i.user.clone()))
+                .unwrap_or_else(|| "postgres".to_string());
+            runtime.block_on(async {
+                for database in &databases {
+                    pgfence::install::install(
+                        &config,
+                        database,
+                        &user,
+                        password.as_deref(),
+                        grant_to.as_deref(),
+                    )
+                    .await?;
+                }
+                Ok(())
+            })
+        }
         None => {
             let threads = cli.threads.unwrap_or_else(|| {
                 std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
@@ -286,9 +286,9 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        // Logged once, as an event (JSON logs stay JSON); stderr has it either way.
         Err(e) => {
             error!("{e}");
-            eprintln!("pgfence: {e}");
             ExitCode::FAILURE
         }
     }

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use harness::operating::{run_command, wait_for_log, CommandOutput};
-use harness::{free_port, ProxyProcess};
+use harness::{free_port, PgCluster, ProxyProcess, APP_DB};
 
 /// Every flag of `pgfence` (serve): a new one must be added here, which is the reminder to
 /// document it (README, example file).
@@ -94,6 +94,18 @@ fn help_names_every_flag() {
         assert!(
             help.contains(flag),
             "{flag} missing from install --help:\n{help}"
+        );
+    }
+    // Only what install uses: the proxy's own flags are not its options.
+    for flag in [
+        "--listen",
+        "--threads",
+        "--no-fence",
+        "--client-tls-sslmode",
+    ] {
+        assert!(
+            !flags(&help).contains(flag),
+            "{flag} listed by install --help:\n{help}"
         );
     }
 
@@ -293,4 +305,70 @@ fn the_example_file_starts_the_binary() {
     ]);
     wait_for_log(&proxy, 0, "pgfence started");
     assert!(proxy.try_status().is_none(), "{}", proxy.logs());
+}
+
+/// Whether `database` of `cluster` has schema pgfence.
+fn installed(cluster: &PgCluster, database: &str) -> bool {
+    cluster
+        .psql(
+            database,
+            "SELECT count(*) FROM pg_namespace WHERE nspname = 'pgfence'",
+        )
+        .trim()
+        == "1"
+}
+
+/// `pgfence install` says what the server said when it fails (tokio-postgres alone says
+/// "db error"), once, and without `--database` installs where the config file's
+/// `[fence.install]` says, not into database postgres.
+#[test]
+fn install_reports_the_servers_error_and_follows_the_config_file() {
+    let cluster = PgCluster::start();
+    let upstream = format!("{}:{}", cluster.host(), cluster.port());
+
+    let out = pgfence(&["install", "--upstream", &upstream, "--database", "nope"]);
+    assert_eq!(out.code, Some(1), "{out:?}");
+    let stderr = out.stderr.clone();
+    assert!(
+        stderr.contains("3D000") && stderr.contains(r#"database \"nope\" does not exist"#)
+            || stderr.contains(r#"database "nope" does not exist"#),
+        "the server's error: {stderr}"
+    );
+    assert_eq!(
+        stderr.matches("does not exist").count(),
+        1,
+        "said once: {stderr}"
+    );
+
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let path = dir.path().join("pgfence.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[upstream]\nhost = \"{}\"\nport = {}\n[fence.install]\nuser = \"postgres\"\ndatabases = [\"{APP_DB}\"]\n",
+            cluster.host(),
+            cluster.port()
+        ),
+    )
+    .expect("write the config file");
+    let out = pgfence(&["install", "--config", &path.display().to_string()]);
+    assert!(out.success(), "{out:?}");
+    assert!(installed(&cluster, APP_DB), "{out:?}");
+    assert!(
+        !installed(&cluster, "postgres"),
+        "installed into postgres: {out:?}"
+    );
+
+    // --database wins over the file, and may be repeated.
+    let out = pgfence(&[
+        "install",
+        "--config",
+        &path.display().to_string(),
+        "--database",
+        "postgres",
+        "--database",
+        APP_DB,
+    ]);
+    assert!(out.success(), "{out:?}");
+    assert!(installed(&cluster, "postgres"), "{out:?}");
 }
