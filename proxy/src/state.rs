@@ -33,6 +33,8 @@ pub struct Shared {
     active: Arc<AtomicUsize>,
     /// Where the configuration was read from, for RELOAD and SIGHUP.
     source: Mutex<Option<Source>>,
+    /// Databases already logged as lacking schema pgfence.
+    schema_missing: Mutex<std::collections::HashSet<String>>,
 }
 
 /// Counts a session as active while it lives.
@@ -67,7 +69,17 @@ impl Shared {
             next_client_id: AtomicU64::new(1),
             active: Arc::new(AtomicUsize::new(0)),
             source: Mutex::new(None),
+            schema_missing: Mutex::new(std::collections::HashSet::new()),
         })
+    }
+
+    /// Whether this is the first time `database` is found to lack schema pgfence (the
+    /// caller logs it then).
+    pub fn first_report_of_missing_schema(&self, database: &str) -> bool {
+        self.schema_missing
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(database.to_string())
     }
 
     /// Remembers where the configuration comes from, so that it can be reloaded.

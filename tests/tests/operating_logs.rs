@@ -5,9 +5,13 @@
 //!   explicit COMMIT, missing, invalid; fast path: stale in autocommit and inside a
 //!   transaction) is exactly one WARN `fence rejected` event with resource, token, fence,
 //!   reason, path, client_addr, user, database, application_name, backend_pid, session and
-//!   the first 200 characters of the statement; accepted advances are INFO `fence advanced` events;
+//!   the first 200 characters of the statement; a token accepted above the highest this
+//!   pgfence knew is an INFO `higher token accepted` event;
 //!   no INFO-or-above event other than a rejection carries statement text; connections open
 //!   and close at DEBUG.
+//! - [`a_database_without_the_schema_says_how_to_install_it`]: writes fail with the
+//!   server's 3F000 and a hint naming `pgfence install`, in both protocols, logged at WARN
+//!   once; reads go on.
 //! - [`text_log_without_fast_path`]: the default text format, and `fence.fast_path = false`:
 //!   a repeated stale write is rejected by the database every time.
 
@@ -366,18 +370,23 @@ async fn json_log_has_one_event_per_rejection() {
         "{orders:?}"
     );
 
-    // Fence advances at INFO: billing none -> 5 (writer-a), 7 -> 10 (writer-b). The
-    // leader's 7 and 9 were learned from rejections, not from accepted writes here.
+    // Tokens above what this pgfence knew, at INFO: billing 5 (writer-a, nothing known
+    // before), 10 (writer-b, 7 known). The leader's 7 and 9 were learned from rejections,
+    // not from accepted writes here.
     let advanced: Vec<&Event> = events
         .iter()
-        .filter(|e| message(e) == "fence advanced")
+        .filter(|e| message(e) == "higher token accepted")
         .collect();
-    assert_eq!(advanced.len(), 2, "fence advanced events:\n{logs}");
-    for (event, previous, new) in [(advanced[0], "none", 5), (advanced[1], "7", 10)] {
+    assert_eq!(advanced.len(), 2, "higher token accepted events:\n{logs}");
+    for (event, known_before, token) in [(advanced[0], None, 5), (advanced[1], Some(7), 10)] {
         assert_eq!(level(event), "INFO", "{event:?}");
         assert_eq!(str_field(event, "resource"), "billing", "{event:?}");
-        assert_eq!(str_field(event, "previous"), previous, "{event:?}");
-        assert_eq!(int_field(event, "new"), new, "{event:?}");
+        assert_eq!(
+            event.get("known_before").and_then(Value::as_i64),
+            known_before,
+            "{event:?}"
+        );
+        assert_eq!(int_field(event, "token"), token, "{event:?}");
     }
     assert_eq!(str_field(advanced[0], "client"), a_addr.to_string());
 
@@ -493,12 +502,71 @@ async fn text_log_without_fast_path() {
     );
     let advanced: Vec<&str> = logs
         .lines()
-        .filter(|l| l.contains("fence advanced"))
+        .filter(|l| l.contains("higher token accepted"))
         .collect();
-    assert_eq!(advanced.len(), 1, "one advance (none -> 5):\n{logs}");
+    assert_eq!(advanced.len(), 1, "one higher token (5):\n{logs}");
     assert!(
-        advanced[0].contains(" INFO ") && advanced[0].contains("new=5"),
+        advanced[0].contains(" INFO ")
+            && advanced[0].contains("token=5")
+            && !advanced[0].contains("known_before"),
         "{}",
         advanced[0]
+    );
+}
+
+#[tokio::test]
+async fn a_database_without_the_schema_says_how_to_install_it() {
+    let cluster = PgCluster::start();
+    let direct = cluster.connect(APP_DB).await;
+    direct
+        .batch_execute("CREATE TABLE ledger (id int, note text)")
+        .await
+        .expect("create table ledger");
+    let proxy = ProxyProcess::builder()
+        .config(Proxy::config_for(&cluster))
+        .args(["--config", "{config}", "--log-format", "json"])
+        .env("RUST_LOG", "info")
+        .start();
+    let (client, _) = session(proxy.addr(), "no-schema", "").await;
+    let hint = format!("run `pgfence install --database {APP_DB}`");
+    for (protocol, result) in [
+        ("simple", client.batch_execute(&insert(1, "simple")).await),
+        (
+            "extended",
+            client.execute(&insert(2, "extended"), &[]).await.map(drop),
+        ),
+        (
+            "simple again",
+            client.batch_execute(&insert(3, "again")).await,
+        ),
+    ] {
+        let e = result.expect_err(protocol);
+        let db = e.as_db_error().unwrap_or_else(|| panic!("{protocol}: {e}"));
+        assert_eq!(db.code().code(), "3F000", "{protocol}: {db:?}");
+        assert!(
+            db.hint().is_some_and(|h| h.contains(&hint)),
+            "{protocol}: {db:?}"
+        );
+    }
+    let one: i32 = client
+        .query_one("SELECT 1", &[])
+        .await
+        .expect("reads go on")
+        .get(0);
+    assert_eq!(one, 1);
+    let logs = proxy.logs();
+    let warned: Vec<Event> = json_events(&logs)
+        .into_iter()
+        .filter(|e| level(e) == "WARN" && str_field(e, "database") == APP_DB)
+        .collect();
+    assert_eq!(warned.len(), 1, "one WARN for the database:\n{logs}");
+    assert!(message(&warned[0]).contains(&hint), "{:?}", warned[0]);
+    assert_eq!(
+        direct
+            .query_one("SELECT count(*) FROM ledger", &[])
+            .await
+            .expect("count")
+            .get::<_, i64>(0),
+        0
     );
 }

@@ -359,6 +359,24 @@ pub fn with_position(frame: &[u8], map: impl Fn(u64) -> u64, out: &mut BytesMut)
     });
 }
 
+/// Copies an ErrorResponse or NoticeResponse with `hint` as its hint (`H`), in place of
+/// the one it had, if any.
+pub fn with_hint(frame: &[u8], hint: &[u8], out: &mut BytesMut) {
+    copy_fields(frame, out, |o, kind, value| match kind {
+        b'H' => {}
+        b'M' => {
+            o.put_u8(kind);
+            put_cstr(o, value);
+            o.put_u8(b'H');
+            put_cstr(o, hint);
+        }
+        _ => {
+            o.put_u8(kind);
+            put_cstr(o, value);
+        }
+    });
+}
+
 /// Copies an ErrorResponse or NoticeResponse field by field: `field` writes each field
 /// (its code and value) as it should appear, or not at all.
 fn copy_fields(frame: &[u8], out: &mut BytesMut, mut field: impl FnMut(&mut BytesMut, u8, &[u8])) {

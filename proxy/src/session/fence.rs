@@ -554,13 +554,16 @@ impl Session {
                         resource: resource.clone(),
                     })
                     .set(token);
+                // What this pgfence knew, not the fence's previous value: another
+                // instance may have moved it since, and after a start nothing is known.
+                // `pgfence.history` records every advance.
                 info!(
                     resource = %resource,
-                    previous = before.map(|b| b.to_string()).unwrap_or_else(|| "none".into()),
-                    new = token,
+                    token,
+                    known_before = before,
                     client = %self.client_addr,
                     session = self.id,
-                    "fence advanced"
+                    "higher token accepted"
                 );
             }
         }

@@ -19,6 +19,10 @@ const IN_FAILED_TRANSACTION: &[u8] = b"25P02";
 const NO_SUCH_STATEMENT: &[u8] = b"26000";
 /// `syntax_error`: in a simple Query, the whole string failed to parse and none of it ran.
 const SYNTAX_ERROR: &[u8] = b"42601";
+/// `schema "pgfence" does not exist`: the check's schema was never installed here.
+const NO_SUCH_SCHEMA: &[u8] = b"3F000";
+/// `function pgfence.check(...) does not exist`: an older schema than this pgfence's.
+const NO_SUCH_FUNCTION: &[u8] = b"42883";
 /// Errors a Bind raises before it creates its portal (PostgreSQL's `exec_bind_message`): no
 /// such statement, a malformed message (parameter counts), a failed block, and a named
 /// portal already there (`duplicate_cursor`). After any other error the portal exists, not
@@ -383,6 +387,14 @@ impl Session {
             msg::without_location(frame, &mut self.to_client);
             return;
         }
+        if from_check
+            && (fields.code == NO_SUCH_SCHEMA || fields.code == NO_SUCH_FUNCTION)
+            && memchr::memmem::find(fields.message, b"pgfence").is_some()
+        {
+            let hint = self.schema_missing(fields.message);
+            msg::with_hint(frame, hint.as_bytes(), &mut self.to_client);
+            return;
+        }
         match inserted {
             Some(inserted) if !from_check => {
                 let map = |mut p: u64| {
@@ -397,6 +409,27 @@ impl Session {
             }
             _ => self.to_client.extend_from_slice(frame),
         }
+    }
+
+    /// The check failed for want of pgfence's schema (or of this version's functions) in
+    /// the session's database: every write there fails until it is installed. Logged at
+    /// WARN once per database and process; returns the hint the client gets.
+    #[cold]
+    fn schema_missing(&self, message: &[u8]) -> String {
+        let database = &self.database;
+        if self.shared.first_report_of_missing_schema(database) {
+            tracing::warn!(
+                database = %database,
+                error = %String::from_utf8_lossy(message),
+                "writes through pgfence fail in this database: schema pgfence is missing or \
+                 older than this pgfence; run `pgfence install --database {database}`"
+            );
+        }
+        format!(
+            "pgfence's schema is missing in database \"{database}\", or older than this \
+             pgfence: run `pgfence install --database {database}` (see pgfence's README), \
+             then try again."
+        )
     }
 
     /// The server refused `request` (its error) or skipped it (after an error earlier in
