@@ -237,6 +237,20 @@ async fn counters_move_by_what_happened() {
         Some("FN003"),
         "invalid"
     );
+    // Resource names that are not valid are the client's text: one label for all of them.
+    for bad in ["bad/res1", "bad/res2"] {
+        assert_eq!(
+            sqlstate(
+                &m.batch_execute(&format!(
+                    "/* fencing_token=4 fencing_resource={bad} */ INSERT INTO ledger VALUES (4)"
+                ))
+                .await
+            )
+            .as_deref(),
+            Some("FN003"),
+            "invalid resource {bad}"
+        );
+    }
     let unfenced = session(proxy.port(), "postgres", "").await;
     unfenced
         .batch_execute("CREATE TEMP TABLE scratch (id int); INSERT INTO scratch VALUES (1)")
@@ -266,8 +280,24 @@ async fn counters_move_by_what_happened() {
     assert_eq!(rejections("stale", "fast"), 2.0, "{}", after.text);
     assert_eq!(rejections("missing", "database"), 1.0, "{}", after.text);
     assert_eq!(rejections("invalid", "database"), 1.0, "{}", after.text);
+    assert_eq!(
+        delta(
+            &accepted,
+            &after,
+            REJECTIONS,
+            &[
+                ("resource", "(invalid)"),
+                ("reason", "invalid"),
+                ("path", "database")
+            ]
+        ),
+        2.0,
+        "{}",
+        after.text
+    );
+    assert!(!after.text.contains("bad/res"), "{}", after.text);
     let all_rejections: f64 = after.series(REJECTIONS).iter().map(|(_, v)| v).sum();
-    assert_eq!(all_rejections, 5.0, "{}", after.text);
+    assert_eq!(all_rejections, 7.0, "{}", after.text);
     assert_eq!(delta(&accepted, &after, CHECKS, &billing_rejected), 5.0);
     assert_eq!(delta(&accepted, &after, CHECKS, &billing_accepted), 1.0);
     assert_eq!(
@@ -282,21 +312,21 @@ async fn counters_move_by_what_happened() {
         after.text
     );
     assert_eq!(after.must(TOKEN, &[("resource", "billing")]), 10.0);
-    // Every check that went to the database was timed: stale, missing, invalid, unfenced,
-    // accepted (the fast path asks nothing).
+    // Every check that went to the database was timed: stale, missing, three invalid,
+    // unfenced, accepted (the fast path asks nothing).
     assert_eq!(
         delta(&accepted, &after, &format!("{CHECK_LATENCY}_count"), &[]),
-        5.0,
+        7.0,
         "{}",
         after.text
     );
-    // Every client Query answered by the server was timed: the four writes above that went
+    // Every client Query answered by the server was timed: the six writes above that went
     // to the database and the token-10 write. The fast path answers by itself when the
     // session is idle, or, when the client sent its write before the server's ReadyForQuery
     // of the previous one reached pgfence, makes the server fail it (one more).
     let queries = delta(&accepted, &after, &format!("{QUERY_LATENCY}_count"), &[]);
     assert!(
-        queries == 5.0 || queries == 6.0,
+        queries == 7.0 || queries == 8.0,
         "{queries}: {}",
         after.text
     );

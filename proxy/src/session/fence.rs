@@ -656,11 +656,18 @@ impl Session {
             "fence rejected"
         );
         self.shared.stats.rejections.fetch_add(1, Ordering::Relaxed);
+        // A name that is not a resource is the client's text: as a label, any client could
+        // make new series without end. The log and SHOW REJECTIONS keep the text.
+        let label = if resource.is_empty() || Resource::parse(resource.as_bytes()).is_ok() {
+            resource.clone()
+        } else {
+            INVALID_RESOURCE_LABEL.to_string()
+        };
         let metrics = &self.shared.metrics;
         metrics
             .rejections
             .get_or_create(&RejectionLabels {
-                resource: resource.clone(),
+                resource: label.clone(),
                 reason: rejection.reason.as_str(),
                 path,
             })
@@ -668,7 +675,7 @@ impl Session {
         metrics
             .checks
             .get_or_create(&CheckLabels {
-                resource: resource.clone(),
+                resource: label,
                 outcome: "rejected",
             })
             .inc();
@@ -694,6 +701,9 @@ impl Session {
         });
     }
 }
+
+/// The `resource` label of rejections whose resource name is not valid (FN003).
+pub const INVALID_RESOURCE_LABEL: &str = "(invalid)";
 
 /// The first `max` characters of `s`.
 pub fn truncate_chars(s: &str, max: usize) -> String {
