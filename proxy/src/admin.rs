@@ -65,9 +65,11 @@ impl Command {
             ["KILL_CLIENT", id] => match id.parse() {
                 Ok(id) => Command::KillClient(id),
                 Err(_) => {
+                    // As the client wrote it, not upper-cased.
+                    let id = text.split_whitespace().nth(1).unwrap_or_default();
                     return Err(format!(
                         "KILL_CLIENT takes a client id from SHOW CLIENTS, not {id:?}"
-                    ))
+                    ));
                 }
             },
             _ => return Err(format!("unknown admin command {text:?}: try SHOW HELP")),
@@ -391,6 +393,12 @@ mod tests {
         assert!(Command::parse(b"KILL_CLIENT x")
             .unwrap_err()
             .contains("SHOW CLIENTS"));
+        assert!(
+            Command::parse(b"kill_client abc")
+                .unwrap_err()
+                .ends_with("not \"abc\""),
+            "the id as written"
+        );
         assert!(Command::parse(b"KILL_CLIENT").is_err());
         assert!(Command::parse(b"DROP TABLE x")
             .unwrap_err()

@@ -85,7 +85,7 @@ struct Cli {
     /// Worker threads running client sessions, each a single-threaded runtime; a new session
     /// goes to the one with the fewest sessions [default: the number of CPUs pgfence may
     /// use; 1 behaves like PgBouncer's single thread].
-    #[arg(long, env = "PGFENCE_THREADS")]
+    #[arg(long, env = "PGFENCE_THREADS", value_parser = parse_threads)]
     threads: Option<usize>,
     /// TLS for clients: disable, allow (or prefer: TLS when the client asks), require
     /// (plain TCP logins refused), verify-ca (and a client certificate signed by a CA of
@@ -135,6 +135,14 @@ enum Command {
         #[arg(long)]
         grant_to: Option<String>,
     },
+}
+
+fn parse_threads(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("pgfence needs at least 1 worker thread".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("{e}: a number of worker threads, 1 or more")),
+    }
 }
 
 fn parse_log_format(s: &str) -> Result<LogFormat, String> {
@@ -325,12 +333,12 @@ async fn serve(config: Config, source: Source, threads: usize) -> Result<(), Str
     };
     info!(
         listen = %config.listen,
-        unix_socket = ?socket_path,
+        unix_socket = socket_path.as_ref().map(|p| tracing::field::display(p.display())),
         upstream = %config.upstream,
         upstream_sslmode = %config.upstream.sslmode,
         client_tls = %config.client_tls.sslmode,
         fence = config.fence.enabled,
-        metrics = ?config.telemetry.metrics_addr,
+        metrics = config.telemetry.metrics_addr.map(tracing::field::display),
         threads,
         "pgfence started"
     );

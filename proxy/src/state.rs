@@ -103,7 +103,11 @@ impl Shared {
         let new = match source.load() {
             Ok(c) => c,
             Err(e) => {
-                warn!(error = %e, "reload failed: the previous configuration stays in force");
+                // As a string field: quoted, its newlines (a TOML error's excerpt) escaped.
+                warn!(
+                    error = e.to_string().as_str(),
+                    "reload failed: the previous configuration stays in force"
+                );
                 return Err(format!(
                     "reload failed, the previous configuration stays in force: {e}"
                 ));
@@ -124,7 +128,10 @@ impl Shared {
         new.telemetry.log_format = old.telemetry.log_format;
         new.fence.install = old.fence.install.clone();
         if let Err(e) = self.set_config(Arc::new(new)) {
-            warn!(error = %e, "reload failed: the previous configuration stays in force");
+            warn!(
+                error = e.to_string().as_str(),
+                "reload failed: the previous configuration stays in force"
+            );
             return Err(format!(
                 "reload failed, the previous configuration stays in force: {e}"
             ));

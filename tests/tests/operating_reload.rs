@@ -168,10 +168,10 @@ async fn assert_reload_fails(proxy: &ProxyProcess, path: &Path, problem: &str) {
     let logs = wait_for_log(proxy, from, RELOAD_FAILED);
     let new = &logs[from..];
     let at = new.find(RELOAD_FAILED).expect("found by wait_for_log");
-    // The event: its line, and the lines of the error that follow (a TOML error shows the
-    // line of the file and a caret), up to the next event.
+    // The event is one line: the error's own newlines (a TOML error shows the line of the
+    // file and a caret) are escaped, so that line-based log shipping keeps it whole.
     let event = &new[new[..at].rfind('\n').map_or(0, |i| i + 1)..];
-    let event = event.split("\n20").next().unwrap_or(event);
+    let event = event.lines().next().unwrap_or(event);
     assert!(event.contains(" WARN "), "a warning: {event}");
     assert!(
         event.contains(&path.display().to_string()) && event.contains(problem),
