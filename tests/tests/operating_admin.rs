@@ -20,6 +20,9 @@
 //! - [`kill_client_ends_one_session`]: `KILL_CLIENT` ends a session in the middle of a
 //!   transaction (FATAL 57P01, its insert rolled back, its backend gone rather than kept)
 //!   and leaves another session alone; unknown and malformed ids are errors. `SHOW VERSION`.
+//! - [`show_fences_without_the_schema_says_what_to_do`]: an `admin.database` without schema
+//!   pgfence gets the server's 42P01 with a hint naming `admin.database` and `pgfence
+//!   install`; the console stays usable.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -862,4 +865,29 @@ async fn a_query_held_for_its_check_counts_once() {
     // Query.
     assert_eq!(stat("queries").await, queries + 2);
     assert_eq!(stat("fence_checks").await, checks + 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn show_fences_without_the_schema_says_what_to_do() {
+    let cluster = PgCluster::start();
+    let mut config = Proxy::config_for(&cluster);
+    config.admin.users = vec![SUPERUSER.into()];
+    config.admin.database = "postgres".into();
+    let proxy = ProxyProcess::builder()
+        .config(config)
+        .args(["--config", "{config}"])
+        .start();
+    let (admin, _) = connect_from(proxy.addr(), &proxy.connstr(CONSOLE)).await;
+    let err = admin
+        .simple_query("SHOW FENCES")
+        .await
+        .expect_err("no pgfence.fences in postgres");
+    let db = err.as_db_error().unwrap_or_else(|| panic!("{err:?}"));
+    assert_eq!(db.code().code(), "42P01", "{db:?}");
+    let hint = db.hint().unwrap_or_default();
+    assert!(
+        hint.contains("admin.database (\"postgres\"") && hint.contains("pgfence install"),
+        "{db:?}"
+    );
+    assert_eq!(show(&admin, "SHOW VERSION").await.rows.len(), 1);
 }

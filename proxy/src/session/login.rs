@@ -218,6 +218,16 @@ impl Session {
                 o.extend_from_slice(b"SHOW ");
                 o.extend_from_slice(rows);
             }),
+            // `relation "pgfence.fences" does not exist`: the schema is in other databases.
+            _ if tag == b'E' && msg::error_fields(frame).code == b"42P01" => {
+                let database = self.shared.config().admin.database.clone();
+                let hint = format!(
+                    "SHOW FENCES reads pgfence.fences in admin.database (\"{database}\" \
+                     here), where schema pgfence is not installed: set admin.database to a \
+                     database that has it, or run `pgfence install --database {database}`."
+                );
+                msg::with_hint(frame, hint.as_bytes(), &mut self.to_client);
+            }
             _ => self.to_client.extend_from_slice(frame),
         }
         if tag == b'Z' {
