@@ -5,8 +5,10 @@
 //!   data-modifying CTE and a trigger are rejected with a stale token and accepted with the
 //!   current one (SPEC section 3: the database decides what wrote).
 //! - [`reads_do_not_pay`]: reads with a stale token are not rejected and cost no check.
-//! - [`missing_token_policy`]: FN002 for a resource that requires a token, `allow` lets the
-//!   write through, an unfenced session is not checked, a token without a resource is FN003.
+//! - [`missing_token_policy`]: FN002 for a resource that requires a token, a comment naming
+//!   another resource adds it to the default one (a session's own replaces it), `allow` lets
+//!   the write through, an unfenced session is not checked, a token without a resource is
+//!   FN003.
 //! - [`conflicting_and_malformed_tokens`]: two comment tokens for one resource in one
 //!   transaction, malformed tokens and resources from every source: FN003; a comment token
 //!   overrides the session token.
@@ -439,6 +441,41 @@ async fn missing_token_policy() {
         .await;
     assert_eq!(fx.count("mt").await, 0);
     assert_eq!(fx.fence("strict").await, None);
+
+    // A comment naming another resource adds it: the default resource still needs a token
+    // (README, "How the fence works"). A session's own resource replaces the default.
+    strict
+        .expect_rejection(
+            Protocol::Simple,
+            &["/* fencing_resource=other fencing_token=5 */ INSERT INTO mt VALUES ('other')"],
+            &missing("strict"),
+            "a comment adds its resource to the default one",
+        )
+        .await;
+    assert_eq!(fx.fence("other").await, None);
+    let both = fx.session("mt_strict", Some("-c fencing.token=2")).await;
+    both.simple("/* fencing_resource=other fencing_token=6 */ INSERT INTO mt VALUES ('both')")
+        .await
+        .unwrap();
+    assert_eq!(
+        (fx.fence("strict").await, fx.fence("other").await),
+        (Some(2), Some(6))
+    );
+    let replaced = fx
+        .session(
+            "mt_strict",
+            Some("-c fencing.resource=other -c fencing.token=7"),
+        )
+        .await;
+    replaced
+        .extended("INSERT INTO mt VALUES ('replaced')")
+        .await
+        .unwrap();
+    assert_eq!(
+        (fx.fence("strict").await, fx.fence("other").await),
+        (Some(2), Some(7))
+    );
+    fx.direct.batch_execute("DELETE FROM mt").await.unwrap();
 
     // `allow`: the write goes through, unfenced.
     let lenient = fx.session("mt_lenient", None).await;
