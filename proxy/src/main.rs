@@ -103,8 +103,13 @@ struct Cli {
     /// verify modes; with allow or require, clients are asked for an optional certificate.
     #[arg(long, value_name = "FILE", env = "PGFENCE_CLIENT_TLS_CA_FILE")]
     client_tls_ca_file: Option<PathBuf>,
-    /// Run as a plain proxy without the fence (for comparisons).
-    #[arg(long, env = "PGFENCE_NO_FENCE")]
+    /// Run as a plain proxy without the fence (for comparisons). PGFENCE_NO_FENCE takes
+    /// 1, true, yes or on (and 0, false, no or off).
+    #[arg(
+        long,
+        env = "PGFENCE_NO_FENCE",
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
     no_fence: bool,
     #[command(subcommand)]
     command: Option<Command>,
@@ -398,7 +403,7 @@ fn signals() -> Result<tokio::sync::mpsc::Receiver<ShutdownMode>, String> {
                 ShutdownMode::Drain => "closing sessions as they become idle",
                 ShutdownMode::Immediate => "closing every session now",
             };
-            info!(signal = name, "{effect}");
+            info!(signal = name, "{name}: {effect}");
             current = Some(mode);
             if tx.send(mode).await.is_err() {
                 return;
