@@ -132,7 +132,7 @@ pub fn answer(shared: &Shared, admin: &str, sql: &[u8], out: &mut BytesMut) -> A
                 .iter()
                 .map(|(c, d)| vec![c.to_string(), d.to_string()])
                 .collect();
-            table(out, &["command", "description"], &rows, "SHOW");
+            table(out, &["command", "description"], &[], &rows, "SHOW");
         }
         Command::Rejections => {
             let log = shared
@@ -175,6 +175,7 @@ pub fn answer(shared: &Shared, admin: &str, sql: &[u8], out: &mut BytesMut) -> A
                     "backend_pid",
                     "statement",
                 ],
+                &["fence", "backend_pid"],
                 &rows,
                 "SHOW",
             );
@@ -215,6 +216,7 @@ pub fn answer(shared: &Shared, admin: &str, sql: &[u8], out: &mut BytesMut) -> A
                     "tls",
                     "certificate_cn",
                 ],
+                &["id", "backend_pid"],
                 &rows,
                 "SHOW",
             );
@@ -247,6 +249,7 @@ pub fn answer(shared: &Shared, admin: &str, sql: &[u8], out: &mut BytesMut) -> A
                     "age_seconds",
                     "tls",
                 ],
+                &["backend_pid", "idle_seconds", "age_seconds"],
                 &rows,
                 "SHOW",
             );
@@ -267,7 +270,7 @@ pub fn answer(shared: &Shared, admin: &str, sql: &[u8], out: &mut BytesMut) -> A
             .iter()
             .map(|(k, v)| vec![k.to_string(), v.to_string()])
             .collect();
-            table(out, &["stat", "value"], &rows, "SHOW");
+            table(out, &["stat", "value"], &["value"], &rows, "SHOW");
         }
         Command::Config => {
             let config = shared.config();
@@ -275,11 +278,11 @@ pub fn answer(shared: &Shared, admin: &str, sql: &[u8], out: &mut BytesMut) -> A
             if let Ok(value) = toml::Value::try_from(&*config) {
                 flatten("", &value, &mut rows);
             }
-            table(out, &["key", "value"], &rows, "SHOW");
+            table(out, &["key", "value"], &[], &rows, "SHOW");
         }
         Command::Version => {
             let version = format!("pgfence {}", env!("CARGO_PKG_VERSION"));
-            table(out, &["version"], &[vec![version]], "SHOW");
+            table(out, &["version"], &[], &[vec![version]], "SHOW");
         }
         Command::KillClient(id) => match shared.clients.get(&id) {
             Some(client) => {
@@ -345,16 +348,26 @@ fn error(out: &mut BytesMut, code: &str, message: &str) {
     );
 }
 
-/// Appends RowDescription (all columns text), DataRows and CommandComplete.
-fn table(out: &mut BytesMut, columns: &[&str], rows: &[Vec<String>], tag: &str) {
+/// Appends RowDescription, DataRows and CommandComplete. The columns named in `numbers`
+/// are `int8` (an empty value there is NULL), so that scripts sort and compare them as
+/// numbers, as PgBouncer's console types its counters; the others are `text`.
+fn table(out: &mut BytesMut, columns: &[&str], numbers: &[&str], rows: &[Vec<String>], tag: &str) {
+    const TEXT: u32 = 25;
+    const INT8: u32 = 20;
+    let numeric: Vec<bool> = columns.iter().map(|c| numbers.contains(c)).collect();
     msg::write_message(out, b'T', |o| {
         o.put_u16(columns.len() as u16);
-        for c in columns {
+        for (c, &number) in columns.iter().zip(&numeric) {
             msg::put_cstr(o, c.as_bytes());
             o.put_u32(0); // table oid
             o.put_u16(0); // column number
-            o.put_u32(25); // text
-            o.put_i16(-1);
+            if number {
+                o.put_u32(INT8);
+                o.put_i16(8);
+            } else {
+                o.put_u32(TEXT);
+                o.put_i16(-1);
+            }
             o.put_i32(-1);
             o.put_u16(0); // text format
         }
@@ -362,9 +375,16 @@ fn table(out: &mut BytesMut, columns: &[&str], rows: &[Vec<String>], tag: &str) 
     for row in rows {
         msg::write_message(out, b'D', |o| {
             o.put_u16(row.len() as u16);
-            for v in row {
-                o.put_i32(v.len() as i32);
-                o.put_slice(v.as_bytes());
+            for (v, &number) in row
+                .iter()
+                .zip(numeric.iter().chain(std::iter::repeat(&false)))
+            {
+                if number && v.is_empty() {
+                    o.put_i32(-1);
+                } else {
+                    o.put_i32(v.len() as i32);
+                    o.put_slice(v.as_bytes());
+                }
             }
         });
     }

@@ -4,8 +4,8 @@
 //! - [`psql_runs_every_command`]: psql `-c` (aligned, unaligned, `-x`) and a script with
 //!   `\x on`: SHOW HELP, SHOW FENCES (the rows of `SELECT * FROM pgfence.fences`), SHOW
 //!   REJECTIONS, SHOW CLIENTS, SHOW SERVERS, SHOW STATS, SHOW CONFIG, RELOAD.
-//! - [`simple_query_columns_and_content`]: each command's exact columns and plausible content
-//!   after known traffic (two rejections newest first, an open session with its
+//! - [`simple_query_columns_and_content`]: each command's exact columns (numbers typed
+//!   `int8`, NULL where there is none) and plausible content after known traffic (two rejections newest first, an open session with its
 //!   application_name, counters), case-insensitive commands; an unknown command and the
 //!   extended protocol are errors after which the console session stays usable.
 //! - [`only_admin_users_get_in`]: a user not in `admin.users` gets FATAL 28000; an admin user
@@ -20,6 +20,7 @@
 //! - [`kill_client_ends_one_session`]: `KILL_CLIENT` ends a session in the middle of a
 //!   transaction (FATAL 57P01, its insert rolled back, its backend gone rather than kept)
 //!   and leaves another session alone; unknown and malformed ids are errors. `SHOW VERSION`.
+//! - [`numbers_are_typed_int8`]: the RowDescription of each command types its numbers.
 //! - [`show_fences_without_the_schema_says_what_to_do`]: an `admin.database` without schema
 //!   pgfence gets the server's 42P01 with a hint naming `admin.database` and `pgfence
 //!   install`; the console stays usable.
@@ -374,7 +375,7 @@ async fn simple_query_columns_and_content() {
         let expected: BTreeMap<&str, &str> = [
             ("resource", "billing"),
             ("token", token),
-            ("fence", ""),
+            ("fence", "<NULL>"),
             ("reason", reason),
             ("path", "database"),
             ("client_addr", addr.as_str()),
@@ -890,4 +891,57 @@ async fn show_fences_without_the_schema_says_what_to_do() {
         "{db:?}"
     );
     assert_eq!(show(&admin, "SHOW VERSION").await.rows.len(), 1);
+}
+
+/// Each column's name and type OID, from the RowDescription the console answers `command`
+/// with (raw protocol: tokio-postgres' simple query does not show types).
+fn column_types(proxy: &ProxyProcess, command: &str) -> Vec<(String, u32)> {
+    let (mut conn, _) = RawConn::login(proxy.addr(), SUPERUSER, CONSOLE);
+    conn.send(&wire::query(command));
+    let replies = conn.until_ready();
+    let description = replies
+        .iter()
+        .find(|m| m.tag == b'T')
+        .unwrap_or_else(|| panic!("{command}: no RowDescription in {replies:?}"));
+    let body = &description.body;
+    let count = u16::from_be_bytes([body[0], body[1]]);
+    let mut at = 2;
+    (0..count)
+        .map(|_| {
+            let end = at + body[at..].iter().position(|&b| b == 0).expect("a name");
+            let name = String::from_utf8_lossy(&body[at..end]).into_owned();
+            let oid = &body[end + 7..end + 11];
+            at = end + 19;
+            (name, u32::from_be_bytes([oid[0], oid[1], oid[2], oid[3]]))
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn numbers_are_typed_int8() {
+    const INT8: u32 = 20;
+    const TEXT: u32 = 25;
+    let (_cluster, proxy, _) = setup().await;
+    let _session = proxy.connect(APP_DB).await;
+    for (command, numbers) in [
+        ("SHOW STATS", &["value"][..]),
+        ("SHOW CLIENTS", &["id", "backend_pid"]),
+        ("SHOW REJECTIONS", &["fence", "backend_pid"]),
+        (
+            "SHOW SERVERS",
+            &["backend_pid", "idle_seconds", "age_seconds"],
+        ),
+        ("SHOW CONFIG", &[]),
+    ] {
+        let types = column_types(&proxy, command);
+        assert!(!types.is_empty(), "{command}");
+        for (name, oid) in &types {
+            let expected = if numbers.contains(&name.as_str()) {
+                INT8
+            } else {
+                TEXT
+            };
+            assert_eq!(*oid, expected, "{command}: column {name}: {types:?}");
+        }
+    }
 }
