@@ -36,6 +36,17 @@ fn start(cluster: &PgCluster, shutdown_timeout: Duration) -> ProxyProcess {
         .start()
 }
 
+/// A cluster, pgfence in front of it with `shutdown_timeout`, and two sessions: one idle,
+/// one in a transaction that inserted 1 into `t`.
+fn two_sessions(shutdown_timeout: Duration) -> (PgCluster, ProxyProcess, RawConn, RawConn) {
+    let cluster = PgCluster::start();
+    let proxy = start(&cluster, shutdown_timeout);
+    let idle = login(&proxy);
+    let mut busy = login(&proxy);
+    exec(&mut busy, "BEGIN; INSERT INTO t VALUES (1)");
+    (cluster, proxy, idle, busy)
+}
+
 fn login(proxy: &ProxyProcess) -> RawConn {
     RawConn::login(proxy.addr(), SUPERUSER, APP_DB).0
 }
@@ -83,11 +94,7 @@ fn expect_goodbye(conn: &mut RawConn) {
 
 #[test]
 fn sigterm_waits_for_clients() {
-    let cluster = PgCluster::start();
-    let mut proxy = start(&cluster, Duration::from_secs(30));
-    let mut idle = login(&proxy);
-    let mut busy = login(&proxy);
-    exec(&mut busy, "BEGIN; INSERT INTO t VALUES (1)");
+    let (cluster, mut proxy, mut idle, mut busy) = two_sessions(Duration::from_secs(30));
 
     proxy.signal(Signal::SIGTERM);
     wait_refused(proxy.addr());
@@ -122,11 +129,7 @@ fn sigterm_waits_for_clients() {
 
 #[test]
 fn sigterm_closes_what_is_left_after_the_timeout() {
-    let cluster = PgCluster::start();
-    let mut proxy = start(&cluster, Duration::from_secs(2));
-    let mut idle = login(&proxy);
-    let mut busy = login(&proxy);
-    exec(&mut busy, "BEGIN; INSERT INTO t VALUES (1)");
+    let (cluster, mut proxy, mut idle, mut busy) = two_sessions(Duration::from_secs(2));
 
     let signalled = Instant::now();
     proxy.signal(Signal::SIGTERM);
@@ -153,11 +156,7 @@ fn sigterm_closes_what_is_left_after_the_timeout() {
 
 #[test]
 fn sigint_closes_idle_sessions() {
-    let cluster = PgCluster::start();
-    let mut proxy = start(&cluster, Duration::from_secs(30));
-    let mut idle = login(&proxy);
-    let mut busy = login(&proxy);
-    exec(&mut busy, "BEGIN; INSERT INTO t VALUES (1)");
+    let (cluster, mut proxy, mut idle, mut busy) = two_sessions(Duration::from_secs(30));
 
     let signalled = Instant::now();
     proxy.signal(Signal::SIGINT);
@@ -198,11 +197,7 @@ fn sigint_closes_idle_sessions() {
 /// are closed at once with FATAL 57P01, the transaction rolled back, and the process exits
 /// well before its 30 s shutdown timeout.
 fn closes_every_session_now(signals: &[Signal]) {
-    let cluster = PgCluster::start();
-    let mut proxy = start(&cluster, Duration::from_secs(30));
-    let mut idle = login(&proxy);
-    let mut busy = login(&proxy);
-    exec(&mut busy, "BEGIN; INSERT INTO t VALUES (1)");
+    let (cluster, mut proxy, mut idle, mut busy) = two_sessions(Duration::from_secs(30));
 
     let signalled = Instant::now();
     for (i, &signal) in signals.iter().enumerate() {
@@ -242,11 +237,7 @@ fn a_second_sigterm_closes_every_session_now() {
 
 #[test]
 fn sigint_after_sigterm_closes_idle_sessions() {
-    let cluster = PgCluster::start();
-    let mut proxy = start(&cluster, Duration::from_secs(30));
-    let mut idle = login(&proxy);
-    let mut busy = login(&proxy);
-    exec(&mut busy, "BEGIN; INSERT INTO t VALUES (1)");
+    let (cluster, mut proxy, mut idle, mut busy) = two_sessions(Duration::from_secs(30));
 
     proxy.signal(Signal::SIGTERM);
     wait_refused(proxy.addr());
