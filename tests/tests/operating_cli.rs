@@ -307,6 +307,44 @@ fn the_example_file_starts_the_binary() {
     assert!(proxy.try_status().is_none(), "{}", proxy.logs());
 }
 
+/// docker-compose.yml's file, `deploy/pgfence.toml`, against a real server: it installs the
+/// schema into `app` at start, and its console shows that database's fences.
+#[test]
+fn the_docker_compose_file_installs_and_shows_fences() {
+    let cluster = PgCluster::start();
+    let config: PathBuf = [env!("CARGO_MANIFEST_DIR"), "..", "deploy", "pgfence.toml"]
+        .iter()
+        .collect();
+    let upstream = format!("{}:{}", cluster.host(), cluster.port());
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let mut proxy = ProxyProcess::start(&[
+        "--config",
+        &config.display().to_string(),
+        "--listen",
+        "{listen}",
+        "--upstream",
+        &upstream,
+        "--metrics-addr",
+        &metrics,
+    ]);
+    wait_for_log(&proxy, 0, "pgfence started");
+    assert!(proxy.try_status().is_none(), "{}", proxy.logs());
+    assert!(installed(&cluster, APP_DB), "{}", proxy.logs());
+    let out = run_command(
+        proxy.psql_cmd().args([
+            "-U",
+            "postgres",
+            "-d",
+            "pgfence",
+            "-At",
+            "-c",
+            "SHOW FENCES",
+        ]),
+        None,
+    );
+    assert!(out.success(), "{out:?}\n{}", proxy.logs());
+}
+
 /// Whether `database` of `cluster` has schema pgfence.
 fn installed(cluster: &PgCluster, database: &str) -> bool {
     cluster
