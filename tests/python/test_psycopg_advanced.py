@@ -3,7 +3,8 @@ them: pipeline mode (an error in the middle of a pipeline, `executemany`, a fenc
 transaction entirely in a pipeline, a stale token in a pipeline), server-side prepared
 statements that psycopg evicts (protocol-level Close and SQL `DEALLOCATE`) and
 `prepare_threshold` changed at runtime, two-phase commit (`tpc_*`), named server-side
-cursors in a fenced transaction, binary COPY, autocommit toggling with nested transactions
+cursors in a fenced transaction, a holdable named cursor whose query writes at commit,
+binary COPY, autocommit toggling with nested transactions
 (savepoints) and `SET fencing.token` in the middle of a session, and cancel (`cancel()` and
 `cancel_safe()`), each followed by fenced writes on the same connection.
 
@@ -733,6 +734,33 @@ def test_named_cursor_fenced_transaction(dsn):
         assert landed == ([] if FENCED else [mine]), (path, landed)
     landed = [i for i in direct_ids(t) if i >= 20000]
     assert landed == ([] if FENCED else [20000, 30000]), landed
+
+
+def test_named_cursor_withhold_writes_at_commit(dsn):
+    """A named cursor `withhold=True` in autocommit is `DECLARE ... WITH HOLD`: PostgreSQL
+    runs its query when the statement's transaction commits, after pgfence's check. A query
+    that writes must be fenced all the same."""
+    t, fn, res = table("hold"), table("hold_fn"), resource("hold")
+    with psycopg.connect(direct_dsn(), autocommit=True) as d:
+        d.execute(f"CREATE TABLE {t} (id int PRIMARY KEY)")
+        d.execute(f"CREATE FUNCTION {fn}(n int) RETURNS int LANGUAGE sql"
+                  f" AS $$ INSERT INTO {t} VALUES (n) RETURNING n $$")
+    advance_behind_back(res, TOKEN_B)
+    with connect(dsn, token=TOKEN_A, res=res, autocommit=True) as conn:
+        def declare_stale():
+            with conn.cursor(name="adv_hold_stale", withhold=True) as cur:
+                cur.execute(f"SELECT {fn}(g) FROM generate_series(1, 3) g")
+                assert [r[0] for r in cur.fetchall()] == [1, 2, 3]
+
+        expect_stale(declare_stale, res, TOKEN_A, TOKEN_B, "stale holdable cursor")
+        assert_idle(conn, "after the stale holdable cursor")
+    assert direct_ids(t) == ([] if FENCED else [1, 2, 3])
+    with connect(dsn, token=TOKEN_B, res=res, autocommit=True) as conn:
+        with conn.cursor(name="adv_hold", withhold=True) as cur:
+            cur.execute(f"SELECT {fn}(g) FROM generate_series(11, 13) g")
+            assert [r[0] for r in cur.fetchall()] == [11, 12, 13]
+    assert [i for i in direct_ids(t) if i > 10] == [11, 12, 13]
+    assert_fence(res, TOKEN_B, "after the current leader's holdable cursor")
 
 
 # --- COPY ----------------------------------------------------------------------------

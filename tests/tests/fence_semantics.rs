@@ -4,6 +4,9 @@
 //! - [`hidden_writes_are_fenced`]: writes in a function called from `SELECT`, a DO block, a
 //!   data-modifying CTE and a trigger are rejected with a stale token and accepted with the
 //!   current one (SPEC section 3: the database decides what wrote).
+//! - [`a_cursor_with_hold_is_checked_for_what_it_writes_at_commit`]: a `DECLARE ... WITH
+//!   HOLD` whose query writes when the transaction commits (after the check) is checked as
+//!   a write: stale FN001, missing FN002, nothing written; the current token writes.
 //! - [`reads_do_not_pay`]: reads with a stale token are not rejected and cost no check.
 //! - [`missing_token_policy`]: FN002 for a resource that requires a token, a comment naming
 //!   another resource adds it to the default one (a session's own replaces it), `allow` lets
@@ -338,6 +341,85 @@ async fn hidden_writes_are_fenced() {
         );
     }
     assert_eq!(fx.count("hw_src").await, 0);
+    assert_eq!(fx.fence(r).await, Some(34));
+}
+
+/// A cursor declared `WITH HOLD` runs the rest of its query when its transaction commits,
+/// after pgfence's check: a write it makes then had no transaction id when the check
+/// looked. The check treats a holdable cursor declared in the transaction as a write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cursor_with_hold_is_checked_for_what_it_writes_at_commit() {
+    let fx = Fixture::start(HIDDEN_SETUP, |c| {
+        c.fence.defaults.push(DefaultResource {
+            database: APP_DB.into(),
+            user: None,
+            resource: "held".into(),
+        });
+    })
+    .await;
+    let r = "held";
+    fx.leader(r, 34)
+        .await
+        .simple("INSERT INTO hw VALUES ('leader')")
+        .await
+        .unwrap();
+    let declare = |tag: &str| {
+        format!(
+            "DECLARE c CURSOR WITH HOLD FOR SELECT hw_write('{tag}') FROM generate_series(1, 3)"
+        )
+    };
+
+    // A stale token from SET (only the database knows it is stale), and no token at all.
+    let mut stale_session = fx.session(SUPERUSER, None).await;
+    stale_session
+        .simple("SET fencing.token = 33")
+        .await
+        .unwrap();
+    let mut tokenless = fx.session(SUPERUSER, None).await;
+    for protocol in PROTOCOLS {
+        for (session, expected, tag) in [
+            (
+                &mut stale_session,
+                stale(r, 33, 34),
+                format!("stale {protocol:?}"),
+            ),
+            (&mut tokenless, missing(r), format!("missing {protocol:?}")),
+        ] {
+            let sql = declare(&tag);
+            session
+                .expect_rejection(protocol, &[&sql], &expected, &tag)
+                .await;
+            session
+                .expect_rejection(protocol, &["BEGIN", &sql, "COMMIT"], &expected, &tag)
+                .await;
+            assert_eq!(
+                fx.count(&format!("hw WHERE tag = '{tag}'")).await,
+                0,
+                "{tag}"
+            );
+        }
+    }
+
+    // The current leader's cursor writes, and stays usable after its transaction.
+    let leader = fx.leader(r, 34).await;
+    for protocol in PROTOCOLS {
+        let tag = format!("current {protocol:?}");
+        leader
+            .run(protocol, &[&declare(&tag)])
+            .await
+            .unwrap_or_else(|e| panic!("{tag}: {e:?}"));
+        assert_eq!(
+            fx.count(&format!("hw WHERE tag = '{tag}'")).await,
+            3,
+            "{tag}"
+        );
+        leader.simple("CLOSE c").await.unwrap();
+    }
+    // A holdable cursor over a plain SELECT reads: no token needed, no check.
+    tokenless
+        .simple("DECLARE r CURSOR WITH HOLD FOR SELECT tag FROM hw; CLOSE r")
+        .await
+        .expect("a read-only holdable cursor");
     assert_eq!(fx.fence(r).await, Some(34));
 }
 

@@ -484,6 +484,7 @@ DECLARE
     v_r0     pg_catalog.text;   -- the session's effective resource
     v_t_s    pg_catalog.text;   -- fencing.token of the session, as set
     v_locked pg_catalog.int8;   -- the fence, read under the shared advisory lock
+    v_force  pg_catalog.bool := coalesce(p_force, false);
 BEGIN
     v_t_s := pg_catalog.current_setting('fencing.token', true);
     IF p_resources IS NULL AND p_tokens IS NULL THEN
@@ -539,10 +540,20 @@ BEGIN
         END IF;
     END IF;
     -- Everything else, in full.
-    IF NOT coalesce(p_force, false)
-       AND pg_catalog.pg_current_xact_id_if_assigned() IS NULL THEN
-        -- Nothing written: nothing to fence.
-        RETURN NULL;
+    IF NOT v_force AND pg_catalog.pg_current_xact_id_if_assigned() IS NULL THEN
+        -- Nothing written yet. But a cursor declared WITH HOLD in this transaction runs the
+        -- rest of its query when the transaction commits, after this check (PostgreSQL
+        -- persists holdable portals at commit): what it may write then is checked now, as
+        -- written. A holdable cursor of an earlier transaction was persisted at its end, and
+        -- was created before this transaction began (its creation_time is its statement's
+        -- start), unless both came in one Query message: then this one is checked too.
+        IF NOT EXISTS (SELECT FROM pg_catalog.pg_cursors AS c
+                       WHERE c.is_holdable
+                         AND c.creation_time OPERATOR(pg_catalog.>=) pg_catalog.now()) THEN
+            -- Nothing written, and nothing to be: nothing to fence.
+            RETURN NULL;
+        END IF;
+        v_force := true;
     END IF;
     IF p_default_resource IS NULL
        AND coalesce(pg_catalog.cardinality(p_resources), 0) OPERATOR(pg_catalog.=) 0
@@ -554,7 +565,7 @@ BEGIN
         RETURN NULL;
     END IF;
     RETURN pgfence.check_write(p_resources, p_tokens, p_default_resource, p_allow_missing,
-                               p_client, p_force);
+                               p_client, v_force);
 END
 $entry$;
 
