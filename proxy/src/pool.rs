@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use pgfence_config::Pool as PoolConfig;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
-use tracing::debug;
+use tracing::{debug, info};
 
 use crate::net::StdStream;
 
@@ -187,10 +187,13 @@ impl ServerPool {
 
     /// Closes connections idle longer than `server_idle_timeout`, older than
     /// `server_lifetime`, or to another upstream than `upstream` (after a reload; see
-    /// [`upstream_key`]).
+    /// [`upstream_key`]), and those the server ended while they were idle (a restart, a
+    /// crash, `pg_terminate_backend`), which it logs: they would otherwise stay listed and
+    /// counted until a client asked for one.
     pub fn sweep(&self, config: &PoolConfig, upstream: &str) {
         let now = Instant::now();
         let mut expired = Vec::new();
+        let mut ended = Vec::new();
         {
             let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
             for (key, list) in idle.iter_mut() {
@@ -199,6 +202,8 @@ impl ServerPool {
                 while i < list.len() {
                     if moved || list[i].expired(config, now) {
                         expired.push(list.swap_remove(i));
+                    } else if !list[i].quiet() {
+                        ended.push(list.swap_remove(i));
                     } else {
                         i += 1;
                     }
@@ -209,6 +214,16 @@ impl ServerPool {
         }
         for parked in expired {
             close(parked, "idle timeout, lifetime or upstream changed");
+        }
+        for parked in ended {
+            info!(
+                backend_pid = parked.info.backend_pid,
+                user = %parked.info.user,
+                database = %parked.info.database,
+                "an idle server connection was closed by the server (restart, crash or \
+                 termination); it is no longer kept"
+            );
+            close(parked, "closed by the server while idle");
         }
     }
 

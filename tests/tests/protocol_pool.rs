@@ -9,8 +9,8 @@
 //!   never get (or give) a kept connection: a wrong password is still refused.
 //! - [`client_gone_mid_message_is_not_kept`]: over raw TCP, a truncated frame then close
 //!   closes the server connection; a Terminate right after a query keeps it.
-//! - [`server_gone_while_idle_is_replaced`]: a kept backend terminated on the server is not
-//!   handed out.
+//! - [`server_gone_while_idle_is_dropped_and_replaced`]: a kept backend terminated on the
+//!   server is dropped by the next sweep (no longer listed or counted) and not handed out.
 //! - [`server_out_of_slots_frees_kept_connections`]: a login the server refuses for lack of
 //!   connection slots (53300) closes the kept connections and tries the login again, so the
 //!   client gets in; with nothing kept, the refusal reaches the client at once.
@@ -294,7 +294,7 @@ async fn client_gone_mid_message_is_not_kept() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn server_gone_while_idle_is_replaced() {
+async fn server_gone_while_idle_is_dropped_and_replaced() {
     let cluster = PgCluster::start();
     let proxy = proxy_with(&cluster, |_| {});
     let direct = cluster.connect(APP_DB).await;
@@ -307,6 +307,8 @@ async fn server_gone_while_idle_is_replaced() {
         .await
         .unwrap();
     wait_backend_gone(&direct, pid).await;
+    // The sweep drops it without a client asking: no longer listed nor counted.
+    wait_idle_servers(&proxy, 0).await;
 
     let second = proxy.connect(APP_DB).await;
     assert_ne!(backend_pid(&second).await, pid);
