@@ -12,6 +12,8 @@
 //! - [`a_database_without_the_schema_says_how_to_install_it`]: writes fail with the
 //!   server's 3F000 and a hint naming `pgfence install`, in both protocols, logged at WARN
 //!   once; reads go on.
+//! - [`broken_connections_are_logged`]: a session whose backend is terminated is a WARN
+//!   naming the client; a client that breaks the protocol an INFO naming it.
 //! - [`text_log_without_fast_path`]: the default text format, and `fence.fast_path = false`:
 //!   a repeated stale write is rejected by the database every time.
 
@@ -569,4 +571,49 @@ async fn a_database_without_the_schema_says_how_to_install_it() {
             .get::<_, i64>(0),
         0
     );
+}
+
+#[tokio::test]
+async fn broken_connections_are_logged() {
+    let cluster = cluster_with_ledger().await;
+    let proxy = ProxyProcess::builder()
+        .config(config(&cluster))
+        .args(["--config", "{config}", "--log-format", "json"])
+        .env("RUST_LOG", "info")
+        .start();
+    let (victim, victim_addr) = session(proxy.addr(), "victim", "").await;
+    let pid = backend_pid(&victim).await;
+    let direct = cluster.connect(APP_DB).await;
+    direct
+        .execute("SELECT pg_terminate_backend($1::int)", &[&(pid as i32)])
+        .await
+        .expect("terminate the victim's backend");
+    let from = 0;
+    wait_for_log(&proxy, from, "server connection failed");
+
+    // A Query whose length says 3: less than the length field itself.
+    let mut raw = harness::wire::RawConn::login(proxy.addr(), SUPERUSER, APP_DB).0;
+    raw.send(&[b'Q', 0, 0, 0, 3]);
+    let _ = raw.until_closed();
+    let logs = wait_for_log(&proxy, from, "broke the protocol");
+
+    let events = json_events(&logs);
+    let failed: Vec<&Event> = events
+        .iter()
+        .filter(|e| message(e).contains("server connection failed"))
+        .collect();
+    assert_eq!(failed.len(), 1, "{logs}");
+    assert_eq!(level(failed[0]), "WARN");
+    assert_eq!(str_field(failed[0], "client"), victim_addr.to_string());
+    let broke: Vec<&Event> = events
+        .iter()
+        .filter(|e| message(e).contains("broke the protocol"))
+        .collect();
+    assert_eq!(broke.len(), 1, "{logs}");
+    assert_eq!(level(broke[0]), "INFO");
+    assert!(
+        str_field(broke[0], "client").starts_with("127.0.0.1:"),
+        "{logs}"
+    );
+    drop(victim);
 }

@@ -292,6 +292,28 @@ pub(crate) async fn serve(client: Stream, peer: ClientAddr, shared: Arc<Shared>,
                     && !matches!(e, SessionError::UpstreamConnect { .. })
                 {
                     shared.upstream_error();
+                    // A server process that crashed or was terminated, a restart, a network
+                    // failure: worth an operator's look (connect failures log their own).
+                    warn!(
+                        client = %peer,
+                        session = id,
+                        error = e.to_string().as_str(),
+                        "a session's server connection failed; the client was told (08006 or \
+                         the server's own FATAL)"
+                    );
+                } else if matches!(
+                    e,
+                    SessionError::ClientFrame(_)
+                        | SessionError::UnexpectedClientMessage(_)
+                        | SessionError::MalformedClientMessage(_)
+                        | SessionError::MessageDuringCopyIn(_)
+                ) {
+                    info!(
+                        client = %peer,
+                        session = id,
+                        error = e.to_string().as_str(),
+                        "a client broke the protocol; its session was closed with FATAL 08P01"
+                    );
                 }
                 debug!(error = %e, side = ?e.side(), "session ended with an error");
             }
