@@ -311,7 +311,8 @@ async fn serve(config: Config, source: Source, threads: usize) -> Result<(), Str
     // Signal handlers first: a SIGHUP sent as soon as the port accepts clients must reload,
     // not kill the process (the default action of a signal not handled yet).
     let hup = signal(SignalKind::hangup()).map_err(|e| format!("cannot handle SIGHUP: {e}"))?;
-    let shutdown = signals()?;
+    let stopping = tokio_util::sync::CancellationToken::new();
+    let shutdown = signals(stopping.clone())?;
     if let Some(install) = &config.fence.install {
         let password = std::env::var("PGPASSWORD").ok();
         for database in &install.databases {
@@ -350,7 +351,15 @@ async fn serve(config: Config, source: Source, threads: usize) -> Result<(), Str
     let shared = Arc::new(Shared::new(Arc::new(config))?);
     shared.set_source(source);
     if let Some(listener) = metrics_listener {
-        tokio::spawn(pgfence::metrics::serve(listener, shared.metrics.clone()));
+        // Released with the client port when a shutdown begins, so that a new pgfence
+        // started during the drain can take both (a rolling restart).
+        let metrics = shared.metrics.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                () = pgfence::metrics::serve(listener, metrics) => {}
+                () = stopping.cancelled() => {}
+            }
+        });
     }
     tokio::spawn(reload_on_sighup(shared.clone(), hup));
     let workers = pgfence::Workers::start(threads, &shared.metrics)
@@ -377,8 +386,10 @@ async fn reload_on_sighup(shared: Arc<Shared>, mut hup: Signal) {
 /// SIGTERM waits for clients, SIGINT drains, SIGQUIT closes every session now (PgBouncer's
 /// meanings); during a shutdown, SIGINT turns a wait for clients into a drain and any
 /// other of them makes it immediate. The handlers are installed now; the modes go to
-/// [`pgfence::run_with`] as the signals come.
-fn signals() -> Result<tokio::sync::mpsc::Receiver<ShutdownMode>, String> {
+/// [`pgfence::run_with`] as the signals come, and the first cancels `stopping`.
+fn signals(
+    stopping: tokio_util::sync::CancellationToken,
+) -> Result<tokio::sync::mpsc::Receiver<ShutdownMode>, String> {
     let mut term =
         signal(SignalKind::terminate()).map_err(|e| format!("cannot handle SIGTERM: {e}"))?;
     let mut int =
@@ -405,6 +416,7 @@ fn signals() -> Result<tokio::sync::mpsc::Receiver<ShutdownMode>, String> {
             };
             info!(signal = name, "{name}: {effect}");
             current = Some(mode);
+            stopping.cancel();
             if tx.send(mode).await.is_err() {
                 return;
             }

@@ -13,6 +13,8 @@
 //! - [`sigquit_closes_every_session_now`], [`a_second_sigterm_closes_every_session_now`]:
 //!   immediate shutdown, open transactions rolled back, as in PgBouncer.
 //! - [`sigint_after_sigterm_closes_idle_sessions`]: a wait for clients becomes a drain.
+//! - [`a_new_pgfence_gets_the_metrics_port_during_the_drain`]: the metrics port is released
+//!   with the client port, so a rolling restart's new process starts.
 
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
@@ -21,6 +23,12 @@ use harness::wire::{self, assert_error, RawConn};
 use harness::{PgCluster, Proxy, ProxyProcess, Signal, APP_DB, SUPERUSER};
 
 fn start(cluster: &PgCluster, shutdown_timeout: Duration) -> ProxyProcess {
+    setup(cluster);
+    proxy(cluster, shutdown_timeout, |_| {})
+}
+
+/// Schema pgfence and table `t` in `app`.
+fn setup(cluster: &PgCluster) {
     cluster.psql(
         APP_DB,
         &format!(
@@ -28,8 +36,17 @@ fn start(cluster: &PgCluster, shutdown_timeout: Duration) -> ProxyProcess {
             fence_core::sql::install_sql(None)
         ),
     );
+}
+
+/// pgfence in front of `cluster` (set up by [`start`]), its config changed by `edit`.
+fn proxy(
+    cluster: &PgCluster,
+    shutdown_timeout: Duration,
+    edit: impl FnOnce(&mut pgfence_config::Config),
+) -> ProxyProcess {
     let mut config = Proxy::config_for(cluster);
     config.limits.shutdown_timeout = shutdown_timeout;
+    edit(&mut config);
     ProxyProcess::builder()
         .config(config)
         .args(["--config", "{config}"])
@@ -258,4 +275,28 @@ fn sigint_after_sigterm_closes_idle_sessions() {
         .wait_timeout(Duration::from_secs(5))
         .expect("exits once every session is closed");
     assert!(status.success(), "{status}");
+}
+
+#[test]
+fn a_new_pgfence_gets_the_metrics_port_during_the_drain() {
+    let metrics: SocketAddr = format!("127.0.0.1:{}", harness::free_port())
+        .parse()
+        .expect("an address");
+    let with_metrics = |c: &mut pgfence_config::Config| c.telemetry.metrics_addr = Some(metrics);
+    let cluster = PgCluster::start();
+    setup(&cluster);
+    let old = proxy(&cluster, Duration::from_secs(30), with_metrics);
+    let mut idle = login(&old);
+    old.signal(Signal::SIGTERM);
+    wait_refused(old.addr());
+    // The old process still serves its session, and no longer holds the metrics port: a
+    // new one (a rolling restart) starts with the same metrics address.
+    assert_eq!(exec(&mut idle, "SELECT 1"), ["SELECT 1"]);
+    let mut new = proxy(&cluster, Duration::from_secs(30), with_metrics);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(new.try_status().is_none(), "{}", new.logs());
+    let mut conn = login(&new);
+    assert_eq!(exec(&mut conn, "SELECT 1"), ["SELECT 1"]);
+    TcpStream::connect_timeout(&metrics, Duration::from_secs(1))
+        .unwrap_or_else(|e| panic!("the new process serves metrics on {metrics}: {e}"));
 }
