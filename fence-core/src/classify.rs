@@ -30,8 +30,11 @@
 //!   - no locking clause (`FOR UPDATE`, `FOR NO KEY UPDATE`, `FOR SHARE`, `FOR KEY SHARE`:
 //!     row locks take a transaction id).
 //! - `SHOW`, `SET`, `RESET`, `LISTEN`, `UNLISTEN`, `CLOSE`: session state only.
-//! - `EXPLAIN` without `ANALYZE`/`ANALYSE` (it only plans), unless it explains `EXECUTE` or
-//!   calls a function that is not on the list (the planner may run immutable functions).
+//! - `EXPLAIN` without `ANALYZE`/`ANALYSE` (it only plans) of a `SELECT`, `VALUES`, `TABLE`
+//!   or `WITH` query that is `ReadOnly` by the rules above (the planner may run immutable
+//!   functions). Of anything else (`INSERT`, `EXECUTE`, `CREATE TABLE ... AS`) it is
+//!   `MayWrite` whatever the options, since PostgreSQL takes a quoted identifier for an
+//!   option name too (`EXPLAIN ("analyze") INSERT ...` runs the insert).
 //! - `PREPARE name AS` a query that is `ReadOnly` by the rules above.
 //! - `COPY table [(columns)] TO STDOUT` and `COPY (query) TO STDOUT` with a query that is
 //!   `ReadOnly` by the rules above (parentheses outside the query hold columns or options,

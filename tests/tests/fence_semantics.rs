@@ -7,6 +7,9 @@
 //! - [`a_cursor_with_hold_is_checked_for_what_it_writes_at_commit`]: a `DECLARE ... WITH
 //!   HOLD` whose query writes when the transaction commits (after the check) is checked as
 //!   a write: stale FN001, missing FN002, nothing written; the current token writes.
+//! - [`writes_the_classifier_once_took_for_reads_are_checked`]: `EXPLAIN` with a quoted
+//!   `"analyze"`, a function with a column definition list after a comma, a 17 keyword
+//!   that is a function name on 15, `ORDER BY rollup(`: each is checked.
 //! - [`reads_do_not_pay`]: reads with a stale token are not rejected and cost no check.
 //! - [`missing_token_policy`]: FN002 for a resource that requires a token, a comment naming
 //!   another resource adds it to the default one (a session's own replaces it), `allow` lets
@@ -421,6 +424,54 @@ async fn a_cursor_with_hold_is_checked_for_what_it_writes_at_commit() {
         .await
         .expect("a read-only holdable cursor");
     assert_eq!(fx.fence(r).await, Some(34));
+}
+
+/// Statements an acceptance review found the classifier taking for reads: each writes, so
+/// each must be checked (with a stale token: FN001, nothing written).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_the_classifier_once_took_for_reads_are_checked() {
+    let setup = format!(
+        "{HIDDEN_SETUP}
+CREATE FUNCTION hw_rec(tag text) RETURNS record LANGUAGE sql
+    AS $$ INSERT INTO hw VALUES (tag) RETURNING 1 $$;
+CREATE FUNCTION json_scalar(tag text) RETURNS int LANGUAGE sql
+    AS $$ INSERT INTO hw VALUES (tag) RETURNING 1 $$;
+CREATE FUNCTION rollup(tag text) RETURNS int LANGUAGE sql
+    AS $$ INSERT INTO hw VALUES (tag) RETURNING 1 $$;"
+    );
+    let fx = Fixture::start(&setup, |_| {}).await;
+    let r = "classified";
+    fx.leader(r, 34)
+        .await
+        .simple("INSERT INTO hw VALUES ('leader')")
+        .await
+        .unwrap();
+    let mut stale_session = fx.session(SUPERUSER, None).await;
+    stale_session
+        .simple(&format!(
+            "SET fencing.token = 33; SET fencing.resource = '{r}'"
+        ))
+        .await
+        .unwrap();
+    for protocol in PROTOCOLS {
+        let tag = format!("stale {protocol:?}");
+        for sql in [
+            format!("EXPLAIN (\"analyze\") INSERT INTO hw VALUES ('{tag}')"),
+            format!("EXPLAIN (U&\"analyze\", costs off) INSERT INTO hw VALUES ('{tag}')"),
+            format!("SELECT * FROM (VALUES (1)) v, hw_rec('{tag}') AS (a int)"),
+            format!("SELECT json_scalar('{tag}')"),
+            format!("SELECT 1 ORDER BY rollup('{tag}')"),
+        ] {
+            stale_session
+                .expect_rejection(protocol, &[&sql], &stale(r, 33, 34), &sql)
+                .await;
+        }
+        assert_eq!(
+            fx.count(&format!("hw WHERE tag = '{tag}'")).await,
+            0,
+            "{tag}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

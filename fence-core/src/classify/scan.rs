@@ -50,6 +50,9 @@ enum MaybeColumns {
     AfterAs,
     AfterNot,
     AfterMaterialized,
+    /// After `AS [[NOT] MATERIALIZED] (`: a `WITH` query's body starts with a query, a
+    /// function's column definition list (`, f() AS (a int)` in `FROM`) does not.
+    AfterOpen,
 }
 
 /// The state of one statement while its tokens go by.
@@ -406,7 +409,14 @@ impl<'a> Scan<'a> {
             Some(t) if t.kind == TokKind::Ident => lower(self.text(t), &mut before_buf),
             _ => b"",
         };
-        if words::is_grammar_after(before, w) {
+        // `GROUP BY ROLLUP(`, `AS NOT MATERIALIZED (`: grammar only there (`ORDER BY
+        // rollup(`, `NOT materialized(` call a function).
+        let context = match (before, w) {
+            (b"by", _) => self.prev_is_keyword(2, "group"),
+            (b"not", b"materialized") => self.prev_is_keyword(2, "as"),
+            _ => true,
+        };
+        if context && words::is_grammar_after(before, w) {
             return Call::Grammar;
         }
         // `a LIKE (`, `a NOT LIKE (`, `a JOIN (`, `a LEFT JOIN (`.
@@ -499,13 +509,29 @@ impl<'a> Scan<'a> {
             },
             AfterList => (w == b"as").then_some(AfterAs),
             AfterAs => match (tok.kind, w) {
-                (TokKind::LParen, _) => Some(No),
+                (TokKind::LParen, _) => Some(AfterOpen),
                 (_, b"materialized") => Some(AfterMaterialized),
                 (_, b"not") => Some(AfterNot),
                 _ => None,
             },
             AfterNot => (w == b"materialized").then_some(AfterMaterialized),
-            AfterMaterialized => (tok.kind == TokKind::LParen).then_some(No),
+            AfterMaterialized => (tok.kind == TokKind::LParen).then_some(AfterOpen),
+            AfterOpen => {
+                let query = tok.kind == TokKind::LParen
+                    || (tok.kind == TokKind::Ident
+                        && matches!(
+                            w,
+                            b"select"
+                                | b"values"
+                                | b"table"
+                                | b"with"
+                                | b"insert"
+                                | b"update"
+                                | b"delete"
+                                | b"merge"
+                        ));
+                query.then_some(No)
+            }
         };
         self.columns = next.unwrap_or_else(|| {
             self.seen.call = true;
@@ -634,17 +660,29 @@ impl<'a> Scan<'a> {
         }
     }
 
+    /// `EXPLAIN` of a query that reads by [`Self::select_rules`], without `ANALYZE`, only
+    /// plans it. Anything else may write: `ANALYZE` runs the statement, and PostgreSQL takes
+    /// any identifier, quoted ones too (`("analyze")`, `(U&"analyze")`), for an option
+    /// name, which this cannot follow; so the statement explained must itself read
+    /// (`EXPLAIN INSERT`, `EXECUTE`, `CREATE TABLE ... AS` and words past the first ones
+    /// are `MayWrite`, whatever the options).
     fn explain(&self) -> StatementKind {
-        let inner = self
-            .words()
-            .iter()
-            .skip(1)
-            .find(|t| t.kind != TokKind::LParen && !is_keyword(self.text(**t), "verbose"));
-        let executes = inner.is_some_and(|&t| is_keyword(self.text(t), "execute"));
-        if self.seen.analyze || self.seen.call || executes {
+        let inner = self.words().iter().skip(1).find(|t| {
+            let w = self.text(**t);
+            t.kind != TokKind::LParen
+                && !["verbose", "analyze", "analyse"]
+                    .iter()
+                    .any(|k| is_keyword(w, k))
+        });
+        let reads = inner.is_some_and(|&t| {
+            ["select", "values", "table", "with"]
+                .iter()
+                .any(|k| is_keyword(self.text(t), k))
+        });
+        if !reads || self.seen.analyze {
             StatementKind::MayWrite
         } else {
-            StatementKind::ReadOnly
+            self.select_rules()
         }
     }
 

@@ -307,9 +307,61 @@ fn other_read_only_statements() {
         ("UNLISTEN *", ReadOnly),
         ("CLOSE c", ReadOnly),
         ("EXPLAIN SELECT * FROM t", ReadOnly),
-        ("EXPLAIN UPDATE t SET a = 1", ReadOnly),
+        // Only reads are explained without a check: quoted option names are options too.
+        ("EXPLAIN UPDATE t SET a = 1", MayWrite),
         ("EXPLAIN (COSTS OFF, FORMAT JSON) SELECT 1", ReadOnly),
-        ("EXPLAIN VERBOSE DELETE FROM t", ReadOnly),
+        ("EXPLAIN VERBOSE DELETE FROM t", MayWrite),
+        ("EXPLAIN (\"analyze\") INSERT INTO t VALUES (1)", MayWrite),
+        ("EXPLAIN (U&\"analyze\") INSERT INTO t VALUES (1)", MayWrite),
+        (
+            "EXPLAIN (\"analyze\" true, costs off) UPDATE t SET v = 1 WHERE id = 1",
+            MayWrite,
+        ),
+        ("EXPLAIN (\"analyze\") SELECT 1", ReadOnly),
+        (
+            "EXPLAIN (\"analyze\") WITH x AS (DELETE FROM t RETURNING 1) SELECT * FROM x",
+            MayWrite,
+        ),
+        ("EXPLAIN (\"analyze\") SELECT * FROM t FOR UPDATE", MayWrite),
+        ("EXPLAIN CREATE TABLE x AS SELECT 1", MayWrite),
+        // A function with a column definition list after a comma is not a WITH query.
+        (
+            "SELECT * FROM (VALUES (1)) v, wr() AS (a int, b text)",
+            MayWrite,
+        ),
+        (
+            "SELECT * FROM (SELECT 'x'::text AS tag) s, wr2(tag) AS (a int, b text)",
+            MayWrite,
+        ),
+        (
+            "WITH a AS (SELECT 1), b(x, y) AS (SELECT 1, 2) SELECT * FROM b",
+            ReadOnly,
+        ),
+        (
+            "WITH b(x) AS MATERIALIZED ((SELECT 1)) SELECT * FROM b",
+            ReadOnly,
+        ),
+        // Keywords of PostgreSQL 16 and 17 only are function names on 15.
+        ("SELECT json_scalar('x')", MayWrite),
+        ("SELECT json_value('x')", MayWrite),
+        ("SELECT system_user('x')", MayWrite),
+        ("SELECT merge_action('x')", MayWrite),
+        ("SELECT any_value(a) FROM t", MayWrite),
+        // Grammar only in its place.
+        ("SELECT a FROM t GROUP BY ROLLUP(a)", ReadOnly),
+        ("SELECT a FROM t ORDER BY rollup(a)", MayWrite),
+        ("SELECT rank() OVER (PARTITION BY cube(a)) FROM t", MayWrite),
+        ("SELECT NOT materialized('x')", MayWrite),
+        (
+            "WITH x AS NOT MATERIALIZED (SELECT 1) SELECT * FROM x",
+            ReadOnly,
+        ),
+        (
+            "EXPLAIN (\"analyze\") CREATE MATERIALIZED VIEW m AS SELECT 1",
+            MayWrite,
+        ),
+        ("EXPLAIN VERBOSE SELECT * FROM t", ReadOnly),
+        ("EXPLAIN ANALYZE VERBOSE SELECT 1", MayWrite),
         ("EXPLAIN ANALYZE UPDATE t SET a = 1", MayWrite),
         ("EXPLAIN (ANALYZE, BUFFERS) SELECT 1", MayWrite),
         ("EXPLAIN (ANALYSE false) SELECT 1", MayWrite),

@@ -1,9 +1,13 @@
 //! The word lists the classifier decides with, kept apart so they can be reviewed on their
 //! own. Every word is in lower case (PostgreSQL folds unquoted identifiers to lower case).
 //!
-//! The keyword lists follow PostgreSQL's `kwlist.h` (16/17): a word that may name a
-//! function must never be in [`is_reserved`] or [`is_col_name_keyword`], or a call to a user
-//! function of that name would be read as grammar.
+//! The keyword lists follow PostgreSQL's `kwlist.h`, keeping only the words that are
+//! keywords in every supported version (15 on): a word that may name a function on some
+//! server must never be in [`is_reserved`] or [`is_col_name_keyword`], or a call to a user
+//! function of that name would be read as grammar. So 16's and 17's `SYSTEM_USER`, `JSON`,
+//! `JSON_*` and `MERGE_ACTION` are not here (on 15 they are ordinary function names; on 16
+//! and later their syntax counts as a call, which only keeps the check), and 16's
+//! `any_value` is not on the allowlist.
 
 /// Reserved keywords: never a function name unless qualified or quoted, so `word(` is
 /// grammar (`IN (`, `ARRAY(`, `CURRENT_TIMESTAMP(3)`), never a call.
@@ -73,7 +77,6 @@ pub(super) fn is_reserved(w: &[u8]) -> bool {
             | b"session_user"
             | b"some"
             | b"symmetric"
-            | b"system_user"
             | b"table"
             | b"then"
             | b"to"
@@ -115,19 +118,7 @@ pub(super) fn is_col_name_keyword(w: &[u8]) -> bool {
             | b"int"
             | b"integer"
             | b"interval"
-            | b"json"
-            | b"json_array"
-            | b"json_arrayagg"
-            | b"json_exists"
-            | b"json_object"
-            | b"json_objectagg"
-            | b"json_query"
-            | b"json_scalar"
-            | b"json_serialize"
-            | b"json_table"
-            | b"json_value"
             | b"least"
-            | b"merge_action"
             | b"national"
             | b"nchar"
             | b"none"
@@ -208,7 +199,6 @@ pub(super) fn is_allowed_function(w: &[u8]) -> bool {
             | b"avg"
             | b"min"
             | b"max"
-            | b"any_value"
             | b"array_agg"
             | b"string_agg"
             | b"bool_and"
