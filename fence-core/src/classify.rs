@@ -165,6 +165,10 @@ pub struct Statement {
     /// SQL `PREPARE name ...` (not `PREPARE TRANSACTION`): it replaces the prepared
     /// statement of that name, the extended protocol's too (its name follows `PREPARE`).
     pub prepares_in_sql: bool,
+    /// `DO`: run by an Execute outside a transaction block, PostgreSQL runs it non-atomic,
+    /// so a `COMMIT` inside commits what was written until then, before the check at the
+    /// Sync (`CALL` is [`StatementKind::NonTransactional`]).
+    pub may_commit_inside: bool,
 }
 
 impl Statement {
@@ -239,6 +243,11 @@ impl Analysis {
     /// Whether any statement may write.
     pub fn may_write(&self) -> bool {
         self.statements.iter().any(|s| s.kind.may_write())
+    }
+
+    /// Whether a statement is [`Statement::may_commit_inside`].
+    pub fn may_commit_inside(&self) -> bool {
+        self.statements.iter().any(|s| s.may_commit_inside)
     }
 
     /// Whether any statement is transaction control (see [`StatementKind::is_tx_control`]).

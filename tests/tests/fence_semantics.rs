@@ -7,6 +7,9 @@
 //! - [`a_cursor_with_hold_is_checked_for_what_it_writes_at_commit`]: a `DECLARE ... WITH
 //!   HOLD` whose query writes when the transaction commits (after the check) is checked as
 //!   a write: stale FN001, missing FN002, nothing written; the current token writes.
+//! - [`a_do_block_that_commits_inside_is_checked_before_it_runs`]: over the extended
+//!   protocol (non-atomic there), alone and behind an INSERT of its batch: stale FN001,
+//!   nothing written; the current token writes.
 //! - [`writes_the_classifier_once_took_for_reads_are_checked`]: `EXPLAIN` with a quoted
 //!   `"analyze"`, a function with a column definition list after a comma, a 17 keyword
 //!   that is a function name on 15, `ORDER BY rollup(`: each is checked.
@@ -423,6 +426,70 @@ async fn a_cursor_with_hold_is_checked_for_what_it_writes_at_commit() {
         .simple("DECLARE r CURSOR WITH HOLD FOR SELECT tag FROM hw; CLOSE r")
         .await
         .expect("a read-only holdable cursor");
+    assert_eq!(fx.fence(r).await, Some(34));
+}
+
+/// A `DO` run by an Execute outside a block is non-atomic in PostgreSQL: a `COMMIT` inside
+/// it commits what was written so far, before the check at the Sync could see it. pgfence
+/// checks (forced) right before its Execute.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_do_block_that_commits_inside_is_checked_before_it_runs() {
+    let fx = Fixture::start(HIDDEN_SETUP, |_| {}).await;
+    let r = "do_commit";
+    fx.leader(r, 34)
+        .await
+        .simple("INSERT INTO hw VALUES ('leader')")
+        .await
+        .unwrap();
+    let do_commit = |tag: &str| {
+        format!("DO $$ BEGIN INSERT INTO hw VALUES ('{tag} 1'); COMMIT; INSERT INTO hw VALUES ('{tag} 2'); END $$")
+    };
+    let mut stale_session = fx.session(SUPERUSER, None).await;
+    stale_session
+        .simple(&format!(
+            "SET fencing.token = 33; SET fencing.resource = '{r}'"
+        ))
+        .await
+        .unwrap();
+    // tokio-postgres: Parse, Describe, Sync, then Bind, Execute, Sync.
+    stale_session
+        .expect_rejection(
+            Protocol::Extended,
+            &[&do_commit("stale")],
+            &stale(r, 33, 34),
+            "DO",
+        )
+        .await;
+    // Raw protocol: an INSERT, then the DO, in one batch (one implicit transaction).
+    let options = format!("-c fencing.token=33 -c fencing.resource={r}");
+    let mut raw = fx.raw_session(&options);
+    raw.send(
+        &[
+            pbe("INSERT INTO hw VALUES ('stale batch 0')"),
+            pbe(&do_commit("stale batch")),
+            wire::sync(),
+        ]
+        .concat(),
+    );
+    expect_raw_rejection(&mut raw, "INSERT then DO in one batch");
+    assert_eq!(fx.count("hw WHERE tag LIKE 'stale%'").await, 0);
+
+    // The current token: everything lands, with or without a COMMIT inside, and a DO
+    // whose token is in a comment too.
+    let leader = fx.leader(r, 34).await;
+    leader.extended(&do_commit("current")).await.unwrap();
+    leader
+        .extended("DO $$ BEGIN INSERT INTO hw VALUES ('current plain'); END $$")
+        .await
+        .unwrap();
+    let commented = fx.session(SUPERUSER, None).await;
+    commented
+        .extended(&format!(
+            "/* fencing_resource={r} fencing_token=34 */ DO $$ BEGIN INSERT INTO hw VALUES ('current comment'); COMMIT; END $$"
+        ))
+        .await
+        .unwrap();
+    assert_eq!(fx.count("hw WHERE tag LIKE 'current%'").await, 4);
     assert_eq!(fx.fence(r).await, Some(34));
 }
 

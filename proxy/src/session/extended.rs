@@ -342,6 +342,21 @@ impl Session {
             self.commit_check = CommitCheck::Sent {
                 found_failed: false,
             };
+        } else if prepared
+            .as_ref()
+            .is_some_and(|p| p.analysis.may_commit_inside())
+            && !matches!(self.tx.view, View::InBlock | View::Failed)
+        {
+            // A `DO` outside a block runs non-atomic: a `COMMIT` inside it commits what
+            // the transaction wrote until then, the check at the Sync too late. A forced
+            // check right before it, in its transaction, compares the token now and holds
+            // the accept lock over what the `DO` commits; what it writes after its own
+            // `COMMIT` is checked at the Sync, with the same comment directives. Its portal
+            // is closed after it (the view is unknown), since the transaction goes on.
+            self.tx.view = View::Unknown;
+            let directives = self.tx.directives.clone();
+            self.inject_check(true);
+            self.tx.directives = directives;
         } else if kind == StatementKind::Execute && self.tx.commit_needs_check() {
             // Checked as if it committed. Most likely it does not, and the transaction goes
             // on: the check closes its portal, so that the next check can bind it again.
