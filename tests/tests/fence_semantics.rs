@@ -10,6 +10,8 @@
 //! - [`a_do_block_that_commits_inside_is_checked_before_it_runs`]: over the extended
 //!   protocol (non-atomic there), alone and behind an INSERT of its batch: stale FN001,
 //!   nothing written; the current token writes.
+//! - [`text_pipelined_behind_a_change_of_client_encoding_is_not_misread`]: behind a switch
+//!   to SJIS in flight, `E'表'` (second byte `\`) cannot hide a stale write.
 //! - [`writes_the_classifier_once_took_for_reads_are_checked`]: `EXPLAIN` with a quoted
 //!   `"analyze"`, a function with a column definition list after a comma, a 17 keyword
 //!   that is a function name on 15, `ORDER BY rollup(`: each is checked.
@@ -2076,6 +2078,48 @@ async fn text_pipelined_behind_a_change_of_standard_conforming_strings_is_read_a
     stale.send(&[pbe("SELECT 'x\\' , scs_w() --'"), wire::sync()].concat());
     expect_raw_rejection(&mut stale, "the Parse behind the flushed RESET");
     assert_eq!(fx.count("scs WHERE tag LIKE 'stale%'").await, 0);
+}
+
+/// The same for `client_encoding`: PostgreSQL reports a change only with the ReadyForQuery
+/// of its request, and reads what follows in the new encoding. In SJIS, the second byte of
+/// 表 (0x95 0x5C) is `\`: `E'表'` is one literal to the server, and was an unfinished one
+/// to pgfence, which took the INSERT after it for part of the literal and let it commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_pipelined_behind_a_change_of_client_encoding_is_not_misread() {
+    let (fx, options) = Fixture::after_leader_34("enc", |c| c.fence.fast_path = false).await;
+    fx.direct
+        .batch_execute(
+            "CREATE FUNCTION enc_w() RETURNS int LANGUAGE sql \
+             AS $$ INSERT INTO enc VALUES ('stale via a call') RETURNING 1 $$",
+        )
+        .await
+        .unwrap();
+    let hidden: &[u8] = b"SELECT E'\x95\x5c'; INSERT INTO enc VALUES ('stale'); SELECT '--'";
+    for set in [
+        wire::query("SET client_encoding = 'SJIS'"),
+        wire::query("SELECT set_config('client_encoding', 'SJIS', false)"),
+    ] {
+        // The session ends when pgfence learns the encoding; nothing may commit before.
+        let mut stale = fx.raw_session(&options);
+        stale.send(&[set, wire::query(hidden)].concat());
+        let _ = stale.until_closed();
+    }
+    // Extended protocol, one batch: the SET, then a Parse that in SJIS calls a function
+    // that writes (to pgfence in UTF-8, one literal and a comment). pgfence counts it as a
+    // statement it does not know: checked, rejected, and the SET rolls back with the rest.
+    let mut stale = fx.raw_session(&options);
+    stale.send(
+        &[
+            pbe("SET client_encoding = 'SJIS'"),
+            wire::parse("", b"SELECT E'\x95\x5c', enc_w() --'".as_slice(), &[]),
+            wire::bind("", "", &[]),
+            wire::execute("", 0),
+            wire::sync(),
+        ]
+        .concat(),
+    );
+    expect_raw_rejection(&mut stale, "the Parse behind the SET");
+    assert_eq!(fx.count("enc WHERE tag LIKE 'stale%'").await, 0);
 }
 
 /// Parse, Bind and Execute of `sql` and a Flush; reads their replies (ParseComplete,

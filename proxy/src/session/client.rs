@@ -208,6 +208,15 @@ impl Session {
         {
             return false;
         }
+        // A change of `client_encoding` may be in flight too, reported the same way: to an
+        // encoding pgfence refuses (SJIS, BIG5, GBK, ...), where the second byte of a
+        // character may be `\`. There `E'表'` (0x95 0x5C) is a whole literal to the
+        // server and an unfinished one to pgfence, which once took a stale INSERT after it
+        // for part of that literal. Text with a `\` right after a byte above 0x7F is in
+        // doubt (in UTF-8 too: `E'é\n'`, which only waits, or counts as unknown).
+        if memchr::memmem::find_iter(sql, b"\\").any(|i| i > 0 && sql[i - 1] >= 0x80) {
+            return true;
+        }
         let other = LexOptions {
             standard_conforming_strings: !self.lex.standard_conforming_strings,
         };
