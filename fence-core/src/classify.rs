@@ -169,6 +169,10 @@ pub struct Statement {
     /// so a `COMMIT` inside commits what was written until then, before the check at the
     /// Sync (`CALL` is [`StatementKind::NonTransactional`]).
     pub may_commit_inside: bool,
+    /// Refused in a transaction block, and committed as soon as it has run
+    /// (`PreventInTransactionBlock`: `VACUUM`, `DISCARD ALL`, `CREATE DATABASE`, ...; not
+    /// `CALL`): an Execute of it leaves no pipelined transaction behind.
+    pub commits_at_once: bool,
 }
 
 impl Statement {

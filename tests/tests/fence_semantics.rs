@@ -12,6 +12,8 @@
 //!   nothing written; the current token writes.
 //! - [`text_pipelined_behind_a_change_of_client_encoding_is_not_misread`]: behind a switch
 //!   to SJIS in flight, `E'表'` (second byte `\`) cannot hide a stale write.
+//! - [`a_comment_token_stays_in_its_transaction`]: not applied to another transaction of
+//!   its Query, to what is pipelined behind it, or after `COMMIT AND CHAIN`.
 //! - [`writes_the_classifier_once_took_for_reads_are_checked`]: `EXPLAIN` with a quoted
 //!   `"analyze"`, a function with a column definition list after a comma, a 17 keyword
 //!   that is a function name on 15, `ORDER BY rollup(`: each is checked.
@@ -493,6 +495,74 @@ async fn a_do_block_that_commits_inside_is_checked_before_it_runs() {
         .unwrap();
     assert_eq!(fx.count("hw WHERE tag LIKE 'current%'").await, 4);
     assert_eq!(fx.fence(r).await, Some(34));
+}
+
+/// A comment's token applies to the transaction that contains its statement (SPEC section
+/// 2), not to another one: of the same Query string, pipelined behind it, or chained to it.
+/// Each of these once let a stale write commit on a later transaction's comment.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_comment_token_stays_in_its_transaction() {
+    let (fx, options) = Fixture::after_leader_34("scope", |c| c.fence.fast_path = false).await;
+    let comment = "/* fencing_token=34 */ SELECT 1";
+    let write = |tag: &str| format!("INSERT INTO scope VALUES ('stale {tag}')");
+    // One Query, the comment in a later or earlier transaction than the write.
+    for (what, sql) in [
+        (
+            "later",
+            format!("BEGIN; {}; COMMIT; {comment}", write("later")),
+        ),
+        (
+            "earlier",
+            format!("{comment}; COMMIT; {}", write("earlier")),
+        ),
+        (
+            "rolled back",
+            format!("BEGIN; {comment}; ROLLBACK; {}", write("rolled back")),
+        ),
+    ] {
+        let mut stale = fx.raw_session(&options);
+        stale.send(&wire::query(&sql));
+        expect_raw_rejection(&mut stale, what);
+    }
+    // Pipelined behind a Query or a batch that carried the comment and wrote nothing.
+    let mut stale = fx.raw_session(&options);
+    stale.send(&[wire::query(comment), wire::query(write("behind a Query"))].concat());
+    stale.until_ready();
+    expect_raw_rejection(&mut stale, "behind a Query");
+    let mut stale = fx.raw_session(&options);
+    stale.send(
+        &[
+            pbe(comment),
+            wire::sync(),
+            pbe(&write("behind a batch")),
+            wire::sync(),
+        ]
+        .concat(),
+    );
+    stale.until_ready();
+    expect_raw_rejection(&mut stale, "behind a batch");
+    // Chained: COMMIT AND CHAIN starts a transaction of its own.
+    let mut stale = fx.raw_session(&options);
+    for sql in ["BEGIN", comment, "COMMIT AND CHAIN", &write("chained")] {
+        stale.send(&wire::query(sql));
+        stale.until_ready();
+    }
+    stale.send(&wire::query("COMMIT"));
+    expect_raw_rejection(&mut stale, "after COMMIT AND CHAIN");
+    assert_eq!(fx.count("scope WHERE tag LIKE 'stale%'").await, 0);
+
+    // An honest client with a token per transaction in one Query: no conflict between them.
+    let honest = fx
+        .session(SUPERUSER, Some("-c fencing.resource=scope"))
+        .await;
+    honest
+        .simple(
+            "BEGIN; /* fencing_token=34 */ INSERT INTO scope VALUES ('t34'); COMMIT; \
+             BEGIN; /* fencing_token=35 */ INSERT INTO scope VALUES ('t35'); COMMIT",
+        )
+        .await
+        .unwrap();
+    assert_eq!(fx.fence("scope").await, Some(35));
 }
 
 /// Statements an acceptance review found the classifier taking for reads: each writes, so

@@ -1517,8 +1517,11 @@ fn random_sessions_with_queries_inside_batches_same_replies() {
 /// `COMMIT`'s and ended the client's block with a `ROLLBACK` of its own; 1647, a
 /// FunctionCall alone (a transaction of its own, checked first) that left the session
 /// marked as written: the check before the Sync of the next batch, which opened a block,
-/// took a snapshot there, and a `SET TRANSACTION ISOLATION LEVEL` after it failed.
-const FUNCTION_CALL_REGRESSION_SEEDS: &[u64] = &[102, 1647];
+/// took a snapshot there, and a `SET TRANSACTION ISOLATION LEVEL` after it failed; 28275,
+/// a `VACUUM` Query after an Execute of `DISCARD ALL` in its batch, which PostgreSQL
+/// commits at once: pgfence took the batch for pipelined, checked it first, and the check
+/// made the server refuse the `VACUUM` "within a pipeline".
+const FUNCTION_CALL_REGRESSION_SEEDS: &[u64] = &[102, 1647, 28275];
 
 /// The same, with FunctionCall messages too: of `w(k)` ([`W_SCHEMA`], a function that
 /// writes to `r` when row `k` exists), alone as a step and inside extended-protocol batches

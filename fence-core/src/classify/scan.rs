@@ -556,6 +556,7 @@ impl<'a> Scan<'a> {
             block_sensitive: self.block_sensitive(),
             prepares_in_sql: self.prepares_in_sql(),
             may_commit_inside: self.word_is(0, "do"),
+            commits_at_once: self.commits_at_once(),
         })
     }
 
@@ -623,6 +624,17 @@ impl<'a> Scan<'a> {
                     || self.word_is(1, "constraints")
             }
             BlockHead::Discard => self.word_is(1, "all"),
+        }
+    }
+
+    /// Refused in a transaction block and committed at once when it runs
+    /// (PostgreSQL's `PreventInTransactionBlock`): the non-transactional statements but
+    /// `CALL`, and `DISCARD ALL`.
+    fn commits_at_once(&self) -> bool {
+        match self.kind() {
+            StatementKind::NonTransactional => !self.word_is(0, "call"),
+            StatementKind::Discard => self.block_sensitive(),
+            _ => false,
         }
     }
 

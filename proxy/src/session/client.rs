@@ -104,6 +104,10 @@ impl Session {
                 if self.fence.enabled && self.tx.sync_needs_check() {
                     self.inject_check(false);
                     self.tx.end();
+                } else if self.tx.view == View::Idle && !self.tx.batch_begun {
+                    // The batch's implicit transaction ends here with nothing to check: its
+                    // comments end with it, and must not fence what is pipelined behind.
+                    self.tx.directives.clear();
                 }
                 self.tx.end_batch();
                 self.forward(frame, Request::Sync);

@@ -291,6 +291,15 @@ impl Session {
         }
         self.shared.stats.queries.add();
         self.tx.on_execute(kind);
+        if prepared
+            .as_ref()
+            .is_some_and(|p| p.analysis.statements.iter().any(|s| s.commits_at_once))
+        {
+            // PostgreSQL commits it at once (it runs only first in its batch): what follows
+            // starts a new transaction, not pipelined (a `VACUUM` Query after a `DISCARD
+            // ALL` of the batch runs, as on PostgreSQL).
+            self.tx.batch_pipelined = false;
+        }
         if let Some(p) = &prepared {
             if p.analysis.may_write() {
                 self.last_write = Some(Remembered::Prepared(p.clone()));

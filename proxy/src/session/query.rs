@@ -59,6 +59,17 @@ pub(super) fn is_copy_from_stdin(sql: &[u8], options: LexOptions) -> bool {
     false
 }
 
+/// Whether a statement of this kind ends the transaction it runs in (`EXECUTE` may).
+fn ends_transaction(kind: StatementKind) -> bool {
+    matches!(
+        kind,
+        StatementKind::Commit
+            | StatementKind::PrepareTransaction
+            | StatementKind::Rollback
+            | StatementKind::Execute
+    )
+}
+
 /// A count of statements in a Query, as [`QueryPlan`] keeps it: a message of at most 1 GiB
 /// cannot hold more than `u32::MAX`.
 fn count(n: usize) -> u32 {
@@ -141,12 +152,12 @@ impl Session {
             // run in an implicit block, and one it takes for block-sensitive would get none).
             return Ok(self.check_inside_batch_first(false));
         }
-        self.tx.add_directives(&analysis.directives);
         if matches!(
             single,
             Some(StatementKind::Commit | StatementKind::PrepareTransaction)
         ) && self.tx.commit_needs_check()
         {
+            self.tx.add_directives(&analysis.directives);
             return Ok(self.commit_query_with_check(frame));
         }
         // Nothing in flight and no block open: pgfence may prepare a statement first.
@@ -158,10 +169,39 @@ impl Session {
             && self.commit_check == CommitCheck::None;
         let plan = self.tx.plan_simple(analysis);
         if plan.is_empty() {
+            let mut next = 0;
+            self.scope_directives(analysis, &mut next, analysis.statements.len());
+            self.end_query_directives(analysis, &plan);
             self.forward(frame, Request::Query);
             return Ok(Flow::Continue);
         }
         Ok(self.query_with_checks(sql, analysis, &plan, quiet))
+    }
+
+    /// Adds to the transaction's directives those of the Query's statements from `*next` up
+    /// to `last` (excluded; all of them when `last` is past the end), each in its
+    /// transaction's: at a statement that ends one (`COMMIT`, `PREPARE TRANSACTION`,
+    /// `ROLLBACK`, and `EXECUTE`, which may), the directives gathered so far end with it.
+    /// A comment applies to the transaction that contains its statement (SPEC section 2),
+    /// not to another one of the same Query string: a later transaction's comment token
+    /// once let an earlier transaction's stale write commit.
+    fn scope_directives(&mut self, analysis: &Analysis, next: &mut usize, last: usize) {
+        let last = last.min(analysis.statements.len());
+        for st in &analysis.statements[(*next).min(last)..last] {
+            self.tx
+                .add_directives(&analysis.directives[st.directives.clone()]);
+            if ends_transaction(st.kind) {
+                self.tx.directives.clear();
+            }
+        }
+        *next = (*next).max(last);
+    }
+
+    /// After a Query's statements: its directives live on only in a block still open.
+    fn end_query_directives(&mut self, analysis: &Analysis, plan: &SimplePlan) {
+        if plan.ends_in_block == Some(false) && !analysis.statements.is_empty() {
+            self.tx.directives.clear();
+        }
     }
 
     /// What a Query changes whether or not the fence is on: the text kept for rejection
@@ -307,10 +347,19 @@ impl Session {
         let mut inserted = Vec::new();
         let mut chars_before = 0;
         let mut prepare = None;
+        let mut next = 0;
         for (n, &(offset, index)) in plan.before.iter().enumerate() {
             text.extend_from_slice(&sql[copied..offset]);
             let at = text.len();
+            // The check before statement `index` (a COMMIT, or an EXECUTE that may be one)
+            // carries the comments of its transaction, that statement's own included.
+            self.scope_directives(analysis, &mut next, index);
+            self.tx.add_directives(
+                &analysis.directives[analysis.statements[index].directives.clone()],
+            );
+            next = index + 1;
             prepare = prepare.or(self.simple_check(&mut text));
+            self.tx.directives.clear();
             text.extend_from_slice(b";\n");
             if let Some(counted) = self.char_count(&sql[copied..offset]) {
                 // The check's text is ASCII: one character per byte.
@@ -326,13 +375,15 @@ impl Session {
             inserted.clear();
         }
         text.extend_from_slice(&sql[copied..]);
+        self.scope_directives(analysis, &mut next, analysis.statements.len());
         if plan.at_end {
             text.extend_from_slice(b"\n;");
             prepare = prepare.or(self.simple_check(&mut text));
             checks.push(count(analysis.statements.len() + plan.before.len()));
+            self.tx.directives.clear();
         }
+        self.end_query_directives(analysis, plan);
         self.shared.stats.checks.add();
-        self.tx.directives.clear();
         self.check_sent = Some(std::time::Instant::now());
         if let (Some(statement), true) = (prepare, quiet) {
             self.prepare_before_query(statement);

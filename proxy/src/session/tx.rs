@@ -56,6 +56,8 @@ pub struct SimplePlan {
     pub before: Vec<(usize, usize)>,
     /// A check goes after the last statement (the implicit transaction ends there).
     pub at_end: bool,
+    /// Whether a block is open after the Query (`None`: not known), as planned.
+    pub ends_in_block: Option<bool>,
 }
 
 impl SimplePlan {
@@ -244,6 +246,7 @@ impl TxState {
                 // state: see `Session::inside_batch`). A `SAVEPOINT` or `RELEASE` leaves the
                 // session as clean as it was.
                 self.dirty |= in_block.is_none() && only.kind != StatementKind::Savepoint;
+                plan.ends_in_block = in_block;
                 return plan;
             }
         }
@@ -297,6 +300,7 @@ impl TxState {
             plan.at_end = true;
             self.dirty = false;
         }
+        plan.ends_in_block = in_block;
         if control || (self.view == View::Failed && !failed) {
             // A `ROLLBACK TO SAVEPOINT` revives a failed block, unless it fails itself (no
             // such savepoint): the next ReadyForQuery tells, and a COMMIT sent before it
