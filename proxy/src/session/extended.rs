@@ -279,6 +279,15 @@ impl Session {
             None => StatementKind::Execute,
         };
         let waits = match &prepared {
+            // A `DO`, when whether a block is open is still in flight and the next
+            // ReadyForQuery tells: in a block it is atomic (and in a failed one it fails),
+            // so the check before it is for outside one only.
+            Some(p) if p.analysis.may_commit_inside() => {
+                self.fence.enabled
+                    && self.tx.view == View::Unknown
+                    && !self.replies.is_empty()
+                    && self.replies.ready_tells_state()
+            }
             Some(p) => p.tx_control && self.waits_for_replies(&p.analysis),
             None => {
                 self.fence.enabled
@@ -331,7 +340,10 @@ impl Session {
             return Ok(Flow::Continue);
         }
         if let Some(p) = &prepared {
-            if self.fence.fast_path && p.analysis.may_write() {
+            // Not in a failed block, where the Execute fails anyway (and with 34000 if its
+            // portal is gone, which pgfence does not track: a stand-in would fail its Bind
+            // with 25P02 instead).
+            if self.fence.fast_path && p.analysis.may_write() && self.tx.view != View::Failed {
                 if let Some((resource, token, fence)) = self
                     .fence
                     .stale(&p.analysis.directives, &self.shared.fences)
