@@ -254,6 +254,22 @@ impl Session {
     }
 }
 
+impl Session {
+    /// [`Session::expect_rejection`] of `sql` alone, then inside `BEGIN` ... `COMMIT`.
+    async fn expect_rejection_alone_and_in_block(
+        &mut self,
+        protocol: Protocol,
+        sql: &str,
+        expected: &Expected,
+        context: &str,
+    ) {
+        self.expect_rejection(protocol, &[sql], expected, context)
+            .await;
+        self.expect_rejection(protocol, &["BEGIN", sql, "COMMIT"], expected, context)
+            .await;
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Protocol {
     Simple,
@@ -318,12 +334,13 @@ async fn hidden_writes_are_fenced() {
             let tag = format!("stale {source} {protocol:?}");
             for (what, sql) in hidden_writes(&tag) {
                 let context = format!("{what}, token from {source}");
-                let expected = stale(r, 33, 34);
                 session
-                    .expect_rejection(protocol, &[&sql], &expected, &context)
-                    .await;
-                session
-                    .expect_rejection(protocol, &["BEGIN", &sql, "COMMIT"], &expected, &context)
+                    .expect_rejection_alone_and_in_block(
+                        protocol,
+                        &sql,
+                        &stale(r, 33, 34),
+                        &context,
+                    )
                     .await;
             }
             assert_eq!(
@@ -395,12 +412,8 @@ async fn a_cursor_with_hold_is_checked_for_what_it_writes_at_commit() {
             ),
             (&mut tokenless, missing(r), format!("missing {protocol:?}")),
         ] {
-            let sql = declare(&tag);
             session
-                .expect_rejection(protocol, &[&sql], &expected, &tag)
-                .await;
-            session
-                .expect_rejection(protocol, &["BEGIN", &sql, "COMMIT"], &expected, &tag)
+                .expect_rejection_alone_and_in_block(protocol, &declare(&tag), &expected, &tag)
                 .await;
             assert_eq!(
                 fx.count(&format!("hw WHERE tag = '{tag}'")).await,
