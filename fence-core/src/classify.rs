@@ -142,6 +142,13 @@ impl StatementKind {
             StatementKind::Commit | StatementKind::Rollback | StatementKind::PrepareTransaction
         )
     }
+
+    /// Whether the statement ends, or may end, the transaction: those that
+    /// [`ends_transaction`](Self::ends_transaction), and `Execute`, whose prepared statement
+    /// may be a `COMMIT`.
+    pub fn may_end_transaction(self) -> bool {
+        self.ends_transaction() || self == StatementKind::Execute
+    }
 }
 
 /// One statement of a query string.

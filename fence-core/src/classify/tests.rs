@@ -103,6 +103,8 @@ fn transaction_control() {
     ]);
     assert!(Commit.ends_transaction() && PrepareTransaction.ends_transaction());
     assert!(!Savepoint.ends_transaction() && Savepoint.is_tx_control());
+    assert!(Execute.may_end_transaction() && !Execute.ends_transaction());
+    assert!(Rollback.may_end_transaction() && !Savepoint.may_end_transaction());
     assert!(!NonTransactional.is_tx_control() && NonTransactional.may_write());
 }
 

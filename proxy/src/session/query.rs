@@ -59,17 +59,6 @@ pub(super) fn is_copy_from_stdin(sql: &[u8], options: LexOptions) -> bool {
     false
 }
 
-/// Whether a statement of this kind ends the transaction it runs in (`EXECUTE` may).
-fn ends_transaction(kind: StatementKind) -> bool {
-    matches!(
-        kind,
-        StatementKind::Commit
-            | StatementKind::PrepareTransaction
-            | StatementKind::Rollback
-            | StatementKind::Execute
-    )
-}
-
 /// A count of statements in a Query, as [`QueryPlan`] keeps it: a message of at most 1 GiB
 /// cannot hold more than `u32::MAX`.
 fn count(n: usize) -> u32 {
@@ -190,7 +179,7 @@ impl Session {
         for st in &analysis.statements[(*next).min(last)..last] {
             self.tx
                 .add_directives(&analysis.directives[st.directives.clone()]);
-            if ends_transaction(st.kind) {
+            if st.kind.may_end_transaction() {
                 self.tx.directives.clear();
             }
         }
