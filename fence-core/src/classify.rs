@@ -172,9 +172,11 @@ pub struct Statement {
     /// SQL `PREPARE name ...` (not `PREPARE TRANSACTION`): it replaces the prepared
     /// statement of that name, the extended protocol's too (its name follows `PREPARE`).
     pub prepares_in_sql: bool,
-    /// `DO`: run by an Execute outside a transaction block, PostgreSQL runs it non-atomic,
-    /// so a `COMMIT` inside commits what was written until then, before the check at the
-    /// Sync (`CALL` is [`StatementKind::NonTransactional`]).
+    /// `DO` and `CALL`: run by an Execute outside a transaction block, PostgreSQL runs them
+    /// non-atomic, so a `COMMIT` inside commits what was written until then, before the
+    /// check at the Sync, and with it what the batch's earlier Executes wrote (`CALL` is
+    /// also [`StatementKind::NonTransactional`]: a Query of it alone is checked first, in a
+    /// transaction of its own).
     pub may_commit_inside: bool,
     /// Refused in a transaction block, and committed as soon as it has run
     /// (`PreventInTransactionBlock`: `VACUUM`, `DISCARD ALL`, `CREATE DATABASE`, ...; not

@@ -1379,6 +1379,68 @@ async fn non_transactional_statements_are_prechecked() {
     assert_eq!(fx.count("pg_class WHERE relname = 'nt_current'").await, 1);
 }
 
+/// A `CALL` run by an Execute behind another Execute of its batch: PostgreSQL runs it
+/// non-atomic there too (the implicit transaction is no block), so the procedure's
+/// `COMMIT` commits what the batch wrote before it, and its own first writes. pgfence once
+/// checked a `CALL` first only when it started its batch, and nothing else came before the
+/// Sync: the stale rows committed (found by an adversarial review, 2026-12-06).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_behind_an_execute_of_its_batch_is_checked_before_it_runs() {
+    let setup = "
+        CREATE TABLE cb (tag text);
+        CREATE PROCEDURE cb_proc(tag text) LANGUAGE plpgsql AS $$
+        BEGIN
+            INSERT INTO cb VALUES (tag || ' 1');
+            COMMIT;
+            INSERT INTO cb VALUES (tag || ' 2');
+        END $$;";
+    // Without the fast path: it would stand in for the CALL's Execute of a token it knows.
+    let fx = Fixture::start(setup, |c| c.fence.fast_path = false).await;
+    let r = "call_batch";
+    let leader = fx.leader(r, 34).await;
+    leader.simple("CALL cb_proc('leader')").await.unwrap();
+    let call = |tag: &str| pbe(&format!("CALL cb_proc('stale {tag}')"));
+    let cases: [(&str, Vec<u8>); 4] = [
+        ("a SELECT", pbe("SELECT 1")),
+        ("an INSERT", pbe("INSERT INTO cb VALUES ('stale insert')")),
+        ("an empty statement", pbe("")),
+        ("BEGIN and COMMIT", [pbe("BEGIN"), pbe("COMMIT")].concat()),
+    ];
+    for (what, before) in &cases {
+        let mut stale = fx.raw_session(&format!("-c fencing.token=33 -c fencing.resource={r}"));
+        stale.send(&[before.clone(), call(what), wire::sync()].concat());
+        expect_raw_rejection(&mut stale, &format!("CALL behind {what}"));
+    }
+    // Behind a flushed Execute whose replies came back: the batch is still open.
+    let mut stale = fx.raw_session(&format!("-c fencing.token=33 -c fencing.resource={r}"));
+    stale.send(&[pbe("SELECT 1"), wire::flush()].concat());
+    stale.until(|m| m.tag == b'C');
+    stale.send(&[call("flushed"), wire::sync()].concat());
+    expect_raw_rejection(&mut stale, "CALL behind a flushed Execute");
+    // Without a token, where its resource requires one: FN002, not run.
+    let mut tokenless = fx.raw_session(&format!("-c fencing.resource={r}"));
+    tokenless.send(&[pbe("SELECT 1"), call("tokenless"), wire::sync()].concat());
+    let replies = tokenless.until_ready();
+    let error = replies.iter().find(|m| m.tag == b'E').expect("an error");
+    wire::assert_error(error, "ERROR", "FN002");
+    assert_eq!(fx.count("cb WHERE tag LIKE 'stale%'").await, 0);
+
+    // The leader's, pipelined alike, land, each with what came before it.
+    let mut current = fx.raw_session(&format!("-c fencing.token=34 -c fencing.resource={r}"));
+    current.send(
+        &[
+            pbe("INSERT INTO cb VALUES ('current insert')"),
+            pbe("CALL cb_proc('current')"),
+            wire::sync(),
+        ]
+        .concat(),
+    );
+    let replies = current.until_ready();
+    assert!(replies.iter().all(|m| m.tag != b'E'), "{replies:?}");
+    assert_eq!(fx.count("cb WHERE tag LIKE 'current%'").await, 3);
+    assert_eq!(fx.fence(r).await, Some(34));
+}
+
 /// A pre-check that fails stands for the batch it was held for: pgfence skips the rest of
 /// it up to Sync, as PostgreSQL does after an error. A Terminate there still ends the
 /// session, as it ends PostgreSQL's skipping (found by `protocol_random`'s stale run: the

@@ -555,7 +555,7 @@ impl<'a> Scan<'a> {
             directives: self.directives_from..directives_end,
             block_sensitive: self.block_sensitive(),
             prepares_in_sql: self.prepares_in_sql(),
-            may_commit_inside: self.word_is(0, "do"),
+            may_commit_inside: self.word_is(0, "do") || self.word_is(0, "call"),
             commits_at_once: self.commits_at_once(),
         })
     }

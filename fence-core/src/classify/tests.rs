@@ -490,6 +490,18 @@ fn non_transactional() {
 }
 
 #[test]
+fn may_commit_inside() {
+    let inside = |sql: &str| analyze(sql.as_bytes()).may_commit_inside();
+    assert!(inside("CALL my_proc(1)"));
+    assert!(inside("/* fencing_token=3 */ call p()"));
+    assert!(inside("DO $$ BEGIN COMMIT; END $$"));
+    assert!(inside("SELECT 1; CALL p()"));
+    assert!(!inside("SELECT call FROM t"));
+    assert!(!inside("VACUUM t"));
+    assert!(!inside("SELECT 'CALL p()'"));
+}
+
+#[test]
 fn splitting() {
     let sql = "BEGIN; UPDATE t SET a = 1; COMMIT; SELECT 1";
     assert_eq!(kinds(sql), vec![Begin, MayWrite, Commit, ReadOnly]);

@@ -212,8 +212,11 @@ impl Session {
             }
             prepared = None;
         }
+        // Not a `CALL`: it may follow an Execute of its transaction, and is checked right
+        // before its own Execute, in that transaction (see `on_execute`).
         let non_transactional = prepared.as_ref().is_some_and(|p| {
-            matches!(&*p.analysis.statements, [only] if only.kind == StatementKind::NonTransactional)
+            matches!(&*p.analysis.statements,
+                [only] if only.kind == StatementKind::NonTransactional && !only.may_commit_inside)
         });
         // A Bind held for its precheck comes back here whatever its statement has become
         // meanwhile (a Parse before it that failed made pgfence forget the name). Nothing is
@@ -279,8 +282,8 @@ impl Session {
             None => StatementKind::Execute,
         };
         let waits = match &prepared {
-            // A `DO`, when whether a block is open is still in flight and the next
-            // ReadyForQuery tells: in a block it is atomic (and in a failed one it fails),
+            // A `DO` or `CALL`, when whether a block is open is still in flight and the
+            // next ReadyForQuery tells: in a block it is atomic (and in a failed one it fails),
             // so the check before it is for outside one only.
             Some(p) if p.analysis.may_commit_inside() => {
                 self.fence.enabled
@@ -368,12 +371,13 @@ impl Session {
             .is_some_and(|p| p.analysis.may_commit_inside())
             && !matches!(self.tx.view, View::InBlock | View::Failed)
         {
-            // A `DO` outside a block runs non-atomic: a `COMMIT` inside it commits what
-            // the transaction wrote until then, the check at the Sync too late. A forced
-            // check right before it, in its transaction, compares the token now and holds
-            // the accept lock over what the `DO` commits; what it writes after its own
-            // `COMMIT` is checked at the Sync, with the same comment directives. Its portal
-            // is closed after it (the view is unknown), since the transaction goes on.
+            // A `DO` or `CALL` outside a block runs non-atomic: a `COMMIT` inside it
+            // commits what the transaction wrote until then (the batch's earlier Executes
+            // too), the check at the Sync too late. A forced check right before it, in its
+            // transaction, compares the token now and holds the accept lock over what it
+            // commits; what it writes after its own `COMMIT` is checked at the Sync, with
+            // the same comment directives. Its portal is closed after it (the view is
+            // unknown), since the transaction goes on.
             self.tx.view = View::Unknown;
             let directives = self.tx.directives.clone();
             self.inject_check(true);
