@@ -379,19 +379,25 @@ impl RawConn {
         database: &str,
         options: &str,
     ) -> RawConn {
-        let mut conn = RawConn::connect(addr);
-        conn.send(&startup_version(
-            PROTOCOL_3_0,
+        RawConn::login_with_params(
+            addr,
             &[
                 ("user", user.as_bytes()),
                 ("database", database.as_bytes()),
                 ("options", options.as_bytes()),
             ],
-        ));
+        )
+    }
+
+    /// Connects and logs in (trust) with these startup parameters, in this order; panics
+    /// on failure.
+    pub fn login_with_params(addr: SocketAddr, params: &[(&str, &[u8])]) -> RawConn {
+        let mut conn = RawConn::connect(addr);
+        conn.send(&startup_version(PROTOCOL_3_0, params));
         let msgs = conn.until_ready();
         assert!(
             msgs.iter().all(|m| m.tag != b'E'),
-            "login at {addr} with options {options:?} failed: {msgs:?}"
+            "login at {addr} with {params:?} failed: {msgs:?}"
         );
         conn
     }

@@ -1379,6 +1379,52 @@ async fn non_transactional_statements_are_prechecked() {
     assert_eq!(fx.count("pg_class WHERE relname = 'nt_current'").await, 1);
 }
 
+/// The fast path reads the token PostgreSQL uses: a startup parameter `fencing.token`
+/// comes after `options` (PostgreSQL's `process_startup_options`), and `options` are read
+/// with getopt, so `-ec fencing.token=34` sets it. pgfence once kept 33 from `options` in
+/// both cases and rejected the leader with FN001 (found by an adversarial review,
+/// 2026-12-06).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fast_path_reads_the_startup_token_postgres_uses() {
+    let (fx, _) = Fixture::after_leader_34("startup_tok", |_| {}).await;
+    let addr = fx.proxy.addr();
+    let options = "-c fencing.resource=startup_tok -c fencing.token=33";
+    let combined = format!("{options} -ec fencing.token=34");
+    for (what, params) in [
+        (
+            "a startup parameter after options",
+            vec![
+                ("user", SUPERUSER.as_bytes()),
+                ("database", APP_DB.as_bytes()),
+                ("options", options.as_bytes()),
+                ("fencing.token", b"34".as_slice()),
+            ],
+        ),
+        (
+            "combined switches",
+            vec![
+                ("user", SUPERUSER.as_bytes()),
+                ("database", APP_DB.as_bytes()),
+                ("options", combined.as_bytes()),
+            ],
+        ),
+    ] {
+        let mut leader = RawConn::login_with_params(addr, &params);
+        leader.send(&wire::query(format!(
+            "INSERT INTO startup_tok VALUES ('{what}')"
+        )));
+        let replies = leader.until_ready();
+        assert!(replies.iter().all(|m| m.tag != b'E'), "{what}: {replies:?}");
+        // (After the write: a statement that names `fencing` makes pgfence forget the
+        // startup token.)
+        leader.send(&wire::query("SHOW fencing.token"));
+        let replies = leader.until_ready();
+        let row = replies.iter().find_map(|m| m.data_row()).expect("a row");
+        assert_eq!(row[0].as_deref(), Some(b"34".as_slice()), "{what}");
+    }
+    assert_eq!(fx.count("startup_tok").await, 3);
+}
+
 /// A `CALL` run by an Execute behind another Execute of its batch: PostgreSQL runs it
 /// non-atomic there too (the implicit transaction is no block), so the procedure's
 /// `COMMIT` commits what the batch wrote before it, and its own first writes. pgfence once

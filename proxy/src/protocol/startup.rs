@@ -194,9 +194,16 @@ fn parse_params(mut rest: &[u8]) -> Result<Params, StartupError> {
     Ok(params)
 }
 
+/// The switches of PostgreSQL's `process_postgres_switches` that take an argument (its
+/// getopt string `B:bc:C:D:d:efFj:k:lN:nOPp:r:S:sTt:v:W:-:`, PostgreSQL 15).
+const SWITCHES_WITH_ARGUMENT: &[u8] = b"BcCDdjkNprStvW-";
+
 /// Session settings given as `-c name=value` or `--name=value` in the `options` startup
-/// parameter, as libpq's `options=` passes them. Backslash escapes a space, as in
-/// PostgreSQL's own parsing.
+/// parameter, read as PostgreSQL reads them: words split at white space, where a backslash
+/// escapes the next byte, then getopt, so switches combine (`-ec name=value`, `-cname=value`)
+/// and an argument is the rest of its word or the next word. A word that is not a switch,
+/// or one PostgreSQL does not know, makes the server refuse the connection; such words
+/// are skipped here.
 pub fn options_settings(options: &[u8]) -> Vec<(String, String)> {
     let mut words = Vec::new();
     let mut word = Vec::new();
@@ -221,20 +228,31 @@ pub fn options_settings(options: &[u8]) -> Vec<(String, String)> {
     let mut settings = Vec::new();
     let mut it = words.iter();
     while let Some(w) = it.next() {
-        let setting = if w.as_slice() == b"-c" {
-            it.next().map(|s| s.as_slice())
-        } else if let Some(s) = w.strip_prefix(b"--") {
-            Some(s)
-        } else {
-            w.strip_prefix(b"-c")
+        if w.as_slice() == b"--" {
+            break;
+        }
+        let Some(switches) = w.strip_prefix(b"-").filter(|s| !s.is_empty()) else {
+            continue;
         };
-        if let Some(s) = setting {
-            if let Some(eq) = s.iter().position(|&b| b == b'=') {
-                let name = String::from_utf8_lossy(&s[..eq])
-                    .replace('-', "_")
-                    .to_lowercase();
-                settings.push((name, String::from_utf8_lossy(&s[eq + 1..]).into_owned()));
+        for (i, &switch) in switches.iter().enumerate() {
+            if !SWITCHES_WITH_ARGUMENT.contains(&switch) {
+                continue;
             }
+            let rest = &switches[i + 1..];
+            let argument = if rest.is_empty() {
+                it.next().map(Vec::as_slice)
+            } else {
+                Some(rest)
+            };
+            if let (Some(s), b'c' | b'-') = (argument, switch) {
+                if let Some(eq) = s.iter().position(|&b| b == b'=') {
+                    let name = String::from_utf8_lossy(&s[..eq])
+                        .replace('-', "_")
+                        .to_lowercase();
+                    settings.push((name, String::from_utf8_lossy(&s[eq + 1..]).into_owned()));
+                }
+            }
+            break;
         }
     }
     settings

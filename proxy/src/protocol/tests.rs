@@ -329,6 +329,21 @@ fn options_settings_are_parsed_like_postgres() {
             ("a".to_string(), "b c".to_string()),
         ]
     );
+    // getopt: switches combine, an argument is the rest of its word or the next word,
+    // and `--` ends the switches.
+    let pairs = |options: &[u8]| -> Vec<(String, String)> { options_settings(options) };
+    let token = |v: &str| vec![("fencing.token".to_string(), v.to_string())];
+    assert_eq!(pairs(b"-ec fencing.token=400"), token("400"));
+    assert_eq!(pairs(b"-efcfencing.token=401"), token("401"));
+    assert_eq!(pairs(b"-B 100 -c fencing.token=402"), token("402"));
+    assert_eq!(pairs(b"-B-c -c fencing.token=403"), token("403"));
+    assert_eq!(
+        pairs(b"-c fencing.token=404 -- -c fencing.token=1"),
+        token("404")
+    );
+    assert_eq!(pairs(b"stray -c fencing.token=405"), token("405"));
+    assert_eq!(pairs(b"-c"), vec![]);
+    assert_eq!(pairs(b"-c noequals"), vec![]);
 }
 
 #[test]

@@ -143,20 +143,24 @@ impl FenceSettings {
     ) -> FenceSettings {
         let mut session_resource = None;
         let mut session_token = None;
-        let mut settings: Vec<(String, String)> = startup
-            .params
-            .iter()
-            .filter(|(k, _)| k.starts_with(b"fencing."))
-            .map(|(k, v)| {
-                (
-                    String::from_utf8_lossy(k).into_owned(),
-                    String::from_utf8_lossy(v).into_owned(),
-                )
-            })
-            .collect();
-        if let Some(options) = startup.param("options") {
-            settings.extend(options_settings(options));
-        }
+        // As PostgreSQL applies them, the last one winning: `options` first, then the
+        // startup packet's own parameters (`process_startup_options`).
+        let mut settings = startup
+            .param("options")
+            .map(options_settings)
+            .unwrap_or_default();
+        settings.extend(
+            startup
+                .params
+                .iter()
+                .map(|(k, v)| {
+                    (
+                        String::from_utf8_lossy(k).to_lowercase(),
+                        String::from_utf8_lossy(v).into_owned(),
+                    )
+                })
+                .filter(|(k, _)| k.starts_with("fencing.")),
+        );
         let default_resource = config
             .fence
             .default_resource(database, user)
