@@ -877,6 +877,25 @@ async fn conflicting_and_malformed_tokens() {
             "the session token applies without a comment",
         )
         .await;
+    // With the fence known to the fast path, two tokens for it, one of them below, are
+    // still a conflict: the fast path leaves them to the check (it once answered FN001).
+    for protocol in PROTOCOLS {
+        let (x, y) = (c(45, "x"), c(44, "y"));
+        s.expect_rejection(
+            protocol,
+            &["BEGIN", &x, &y, "COMMIT"],
+            &conflicting("cf", "45", "44"),
+            "two statements, the fence known",
+        )
+        .await;
+    }
+    s.expect_rejection(
+        Protocol::Simple,
+        &[&format!("{}; {}", c(45, "x"), c(44, "y"))],
+        &conflicting("cf", "45", "44"),
+        "one Query, the fence known",
+    )
+    .await;
 
     // Malformed tokens and resources, from comments, SET and startup: FN003.
     let m = |comment: &str| format!("{comment} INSERT INTO ct VALUES ('malformed')");
@@ -1377,6 +1396,43 @@ async fn non_transactional_statements_are_prechecked() {
     assert_eq!(fx.count(vacuums).await, 1);
     assert_eq!(fx.count("nt WHERE tag LIKE 'c%'").await, 2);
     assert_eq!(fx.count("pg_class WHERE relname = 'nt_current'").await, 1);
+}
+
+/// A token set by a function whose text pgfence never sees (`set_config` in a stored
+/// procedure): once the server commits with it, the fast path stops using the startup
+/// token it believed the session had. It once rejected the leader's next writes with FN001
+/// naming its old token (found by an adversarial review, 2026-12-06).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_set_by_a_function_replaces_the_startup_token_for_the_fast_path() {
+    let setup = "
+        CREATE TABLE lease (tag text);
+        CREATE FUNCTION take_lease(t int) RETURNS text LANGUAGE sql
+            AS $$ SELECT set_config('fencing.token', t::text, false) $$;";
+    let fx = Fixture::start(setup, |_| {}).await;
+    let r = "lease";
+    let leader = fx.leader(r, 34).await;
+    leader
+        .simple("INSERT INTO lease VALUES ('34')")
+        .await
+        .unwrap();
+    leader.simple("SELECT take_lease(35)").await.unwrap();
+    for n in 1..=3 {
+        leader
+            .simple(&format!("INSERT INTO lease VALUES ('35 {n}')"))
+            .await
+            .unwrap_or_else(|e| panic!("write {n} with token 35: {e:?}"));
+    }
+    assert_eq!(fx.fence(r).await, Some(35));
+    // And a session still on 34 is rejected, by the fast path or the database.
+    let mut old = fx.leader(r, 34).await;
+    old.expect_rejection(
+        Protocol::Simple,
+        &["INSERT INTO lease VALUES ('stale')"],
+        &stale(r, 34, 35),
+        "34",
+    )
+    .await;
+    assert_eq!(fx.count("lease").await, 4);
 }
 
 /// The fast path reads the token PostgreSQL uses: a startup parameter `fencing.token`

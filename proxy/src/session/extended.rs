@@ -347,10 +347,11 @@ impl Session {
             // portal is gone, which pgfence does not track: a stand-in would fail its Bind
             // with 25P02 instead).
             if self.fence.fast_path && p.analysis.may_write() && self.tx.view != View::Failed {
-                if let Some((resource, token, fence)) = self
-                    .fence
-                    .stale(&p.analysis.directives, &self.shared.fences)
-                {
+                if let Some((resource, token, fence)) = self.fence.stale(
+                    &self.tx.directives,
+                    &p.analysis.directives,
+                    &self.shared.fences,
+                ) {
                     self.inject_fast_reject_execute(&resource, token, fence);
                     return Ok(Flow::Continue);
                 }

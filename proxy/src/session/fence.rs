@@ -256,12 +256,18 @@ impl FenceSettings {
     }
 
     /// A (resource, token, known fence) this statement would commit with that is already
-    /// known to be stale. Only values pgfence knows for sure count.
+    /// known to be stale. Only values pgfence knows for sure count. None when the
+    /// transaction's comments so far (`earlier`) and this statement's are not valid, or
+    /// carry two tokens for one resource: the check reports that (FN003), not the fast path.
     pub fn stale(
         &self,
+        earlier: &[Directive],
         directives: &[Directive],
         known: &crate::state::KnownFences,
     ) -> Option<(Resource, Token, i64)> {
+        if !directives.is_empty() && self.directives_conflict(earlier, directives) {
+            return None;
+        }
         let check = |resource: Option<Resource>, token: Option<Token>| {
             let (resource, token) = (resource?, token?);
             let fence = known.get(resource.as_str())?;
@@ -292,6 +298,36 @@ impl FenceSettings {
             return None;
         }
         check(self.session_resource.clone(), self.session_token)
+    }
+
+    /// Whether these comments would make the check fail with FN003: a token or a resource
+    /// that is not valid, or two tokens for one resource (a comment without a resource is
+    /// for the session's, or the default).
+    fn directives_conflict(&self, earlier: &[Directive], directives: &[Directive]) -> bool {
+        let fallback = self
+            .session_resource
+            .as_ref()
+            .map(|r| r.as_str().as_bytes())
+            .or(self.default_resource.as_deref().map(str::as_bytes));
+        let mut seen: Vec<(&[u8], i64)> = Vec::new();
+        for d in earlier.iter().chain(directives) {
+            let resource = match &d.resource {
+                Some(r) if Resource::parse(r).is_err() => return true,
+                Some(r) => Some(r.as_slice()),
+                None => fallback,
+            };
+            let Some(raw) = &d.token else { continue };
+            let Ok(token) = Token::parse(raw) else {
+                return true;
+            };
+            let Some(resource) = resource else { continue };
+            match seen.iter().find(|(r, _)| *r == resource) {
+                Some(&(_, t)) if t != token.get() => return true,
+                Some(_) => {}
+                None => seen.push((resource, token.get())),
+            }
+        }
+        false
     }
 }
 
@@ -548,6 +584,19 @@ impl Session {
             return;
         }
         for (resource, token) in std::mem::take(&mut self.fence.accepted) {
+            if self.fence.session_token.is_some_and(|t| t.get() != token)
+                && self
+                    .fence
+                    .session_resource
+                    .as_ref()
+                    .is_some_and(|r| r.as_str() == resource)
+            {
+                // The server committed with another token for the session's resource than
+                // the one pgfence believes the session has: a comment's, or one a function
+                // set (`set_config` in a procedure whose text pgfence never sees). The fast
+                // path stops using its belief rather than reject the leader with it.
+                self.fence.forget_session_token();
+            }
             let before = self.shared.fences.get(&resource);
             self.shared.fences.observe(&resource, token);
             if before.is_none_or(|b| b < token) {

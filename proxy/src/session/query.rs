@@ -114,9 +114,11 @@ impl Session {
             return Ok(self.hold_until_answered());
         }
         if self.fence.fast_path && analysis.may_write() && !checked_first {
-            if let Some((resource, token, fence)) =
-                self.fence.stale(&analysis.directives, &self.shared.fences)
-            {
+            if let Some((resource, token, fence)) = self.fence.stale(
+                &self.tx.directives,
+                &analysis.directives,
+                &self.shared.fences,
+            ) {
                 return Ok(self.fast_reject_query(analysis, resource, token, fence));
             }
         }
