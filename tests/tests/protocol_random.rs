@@ -1691,7 +1691,15 @@ CREATE FUNCTION w(k int) RETURNS int LANGUAGE plpgsql
 
 /// Objects the stale run's extra statements write through (to `r`, which the oracle reads).
 const STALE_SCHEMA: &str = "
-CREATE PROCEDURE p(k int) LANGUAGE sql AS $$ UPDATE r SET v = v + 2000 WHERE id = k $$;
+CREATE PROCEDURE p(k int) LANGUAGE plpgsql AS $$ BEGIN
+    UPDATE r SET v = v + 2000 WHERE id = k;
+    -- For even keys it commits inside, where it runs non-atomic (outside a block), and
+    -- writes again after.
+    IF k % 2 = 0 THEN
+        COMMIT;
+        UPDATE r SET v = v + 2000 WHERE id = k;
+    END IF;
+END $$;
 CREATE TABLE s (k int);
 CREATE FUNCTION s_to_r() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
     INSERT INTO r VALUES (NEW.k + 50, 0) ON CONFLICT (id) DO UPDATE SET v = r.v + 1;
