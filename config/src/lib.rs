@@ -255,6 +255,23 @@ pub struct Limits {
     /// On SIGTERM, how long sessions may take to finish before they are closed. Default `30s`.
     #[serde(with = "humantime_serde")]
     pub shutdown_timeout: Duration,
+    /// TCP keepalive on client and server connections (PgBouncer's `tcp_keepalive`;
+    /// PostgreSQL sets it on every client connection): a peer that vanished without a word
+    /// (its host frozen or gone, its network cut) is found, its session ended, and the
+    /// transaction and locks its server backend held rolled back. The server's own
+    /// `tcp_keepalives_*` settings reach only pgfence's connection. Default `true`.
+    pub tcp_keepalive: bool,
+    /// Idle time before the first keepalive probe (PostgreSQL's `tcp_keepalives_idle`, at
+    /// least `1s`). Default: the system's (Linux: 2 hours).
+    #[serde(with = "humantime_serde")]
+    pub tcp_keepalives_idle: Option<Duration>,
+    /// Time between unanswered probes (`tcp_keepalives_interval`, at least `1s`). Default:
+    /// the system's (Linux: 75 s).
+    #[serde(with = "humantime_serde")]
+    pub tcp_keepalives_interval: Option<Duration>,
+    /// Unanswered probes after which the connection is dead (`tcp_keepalives_count`, at
+    /// least 1). Default: the system's (Linux: 9).
+    pub tcp_keepalives_count: Option<u32>,
 }
 
 impl Default for Limits {
@@ -265,6 +282,10 @@ impl Default for Limits {
             startup_timeout: Duration::from_secs(15),
             connect_timeout: Duration::from_secs(10),
             shutdown_timeout: Duration::from_secs(30),
+            tcp_keepalive: true,
+            tcp_keepalives_idle: None,
+            tcp_keepalives_interval: None,
+            tcp_keepalives_count: None,
         }
     }
 }
@@ -742,6 +763,22 @@ impl Config {
         }
         if self.limits.max_message_size < 1024 {
             return invalid("limits.max_message_size must be at least 1024 bytes".into());
+        }
+        for (name, value) in [
+            ("tcp_keepalives_idle", self.limits.tcp_keepalives_idle),
+            (
+                "tcp_keepalives_interval",
+                self.limits.tcp_keepalives_interval,
+            ),
+        ] {
+            if value.is_some_and(|d| d < Duration::from_secs(1)) {
+                return invalid(format!(
+                    "limits.{name} must be at least 1s (probes are timed in whole seconds)"
+                ));
+            }
+        }
+        if self.limits.tcp_keepalives_count == Some(0) {
+            return invalid("limits.tcp_keepalives_count must be at least 1".into());
         }
         for name in self.fence.resources.keys() {
             if let Err(e) = Resource::parse(name.as_bytes()) {

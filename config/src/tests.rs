@@ -27,6 +27,34 @@ fn durations_take_units() {
 }
 
 #[test]
+fn keepalive_timing_is_optional_and_checked() {
+    let config: Config = toml::from_str(
+        "[limits]\ntcp_keepalives_idle = \"30s\"\ntcp_keepalives_interval = \"5s\"\ntcp_keepalives_count = 3\n",
+    )
+    .unwrap();
+    assert!(config.limits.tcp_keepalive);
+    assert_eq!(
+        config.limits.tcp_keepalives_idle,
+        Some(Duration::from_secs(30))
+    );
+    assert_eq!(
+        config.limits.tcp_keepalives_interval,
+        Some(Duration::from_secs(5))
+    );
+    assert_eq!(config.limits.tcp_keepalives_count, Some(3));
+    config.validate().unwrap();
+    for bad in [
+        "tcp_keepalives_idle = \"500ms\"",
+        "tcp_keepalives_interval = \"0s\"",
+        "tcp_keepalives_count = 0",
+    ] {
+        let config: Config = toml::from_str(&format!("[limits]\n{bad}\n")).unwrap();
+        let err = config.validate().unwrap_err().to_string();
+        assert!(err.contains("at least"), "{bad}: {err}");
+    }
+}
+
+#[test]
 fn bad_resource_names_are_rejected() {
     let config: Config = toml::from_str("[fence.resources.\"bad name\"]\n").unwrap();
     assert!(config.validate().is_err());

@@ -52,7 +52,7 @@ pub async fn install_with(
     // pgfence's own connection (TCP or socket, TLS as `upstream.sslmode` says), over which
     // tokio-postgres speaks the protocol.
     let tls = crate::tls::connector(&config.upstream)?;
-    let stream = crate::net::Stream::connect(&config.upstream, tls)
+    let stream = crate::net::Stream::connect(&config.upstream, tls, &config.limits)
         .await
         .map_err(|e| format!("cannot connect to {upstream}: {e}"))?;
     let (client, connection) = pg

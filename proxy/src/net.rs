@@ -13,7 +13,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use pgfence_config::Upstream;
+use pgfence_config::{Limits, Upstream};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{tcp, unix, TcpStream, UnixStream};
 
@@ -84,6 +84,24 @@ pub enum StdStream {
     Tls(std::net::TcpStream, Box<TlsState>),
 }
 
+/// Turns TCP keepalive on for `s` as `limits` say (`limits.tcp_keepalive*`).
+pub fn keepalive(s: &TcpStream, limits: &Limits) -> io::Result<()> {
+    if !limits.tcp_keepalive {
+        return Ok(());
+    }
+    let mut params = socket2::TcpKeepalive::new();
+    if let Some(idle) = limits.tcp_keepalives_idle {
+        params = params.with_time(idle);
+    }
+    if let Some(interval) = limits.tcp_keepalives_interval {
+        params = params.with_interval(interval);
+    }
+    if let Some(count) = limits.tcp_keepalives_count {
+        params = params.with_retries(count);
+    }
+    socket2::SockRef::from(s).set_tcp_keepalive(&params)
+}
+
 impl Stream {
     /// Connects to `upstream` (TCP with `TCP_NODELAY`, or its Unix-domain socket), and
     /// over TCP asks for TLS when `tls` is given (`upstream.sslmode` says whether a server
@@ -91,12 +109,14 @@ impl Stream {
     pub async fn connect(
         upstream: &Upstream,
         tls: Option<Arc<rustls::ClientConfig>>,
+        limits: &Limits,
     ) -> io::Result<Stream> {
         if let Some(path) = upstream.socket_path() {
             return Ok(Stream::Unix(UnixStream::connect(path).await?));
         }
         let s = TcpStream::connect((upstream.host.as_str(), upstream.port)).await?;
         let _ = s.set_nodelay(true);
+        keepalive(&s, limits)?;
         match tls {
             None => Ok(Stream::Tcp(s)),
             Some(tls) => Stream::start_tls(s, tls, &upstream.host, upstream.sslmode).await,

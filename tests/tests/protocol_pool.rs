@@ -16,6 +16,8 @@
 //!   client gets in; with nothing kept, the refusal reaches the client at once.
 //! - [`reuse_off_and_idle_timeout`]: `reuse_servers = false` keeps nothing;
 //!   `server_idle_timeout` closes kept connections.
+//! - [`connections_have_tcp_keepalive`]: `limits.tcp_keepalive*` arm keepalive timers on
+//!   pgfence's client and server connections (read from `/proc/net/tcp`), and off, none.
 //! - [`kept_backend_keeps_its_temporary_schema`]: the known limitation README states (a
 //!   kept connection is a used backend): a statement re-planned on a new backend is not on
 //!   a kept one, as with PostgreSQL alone; `reuse_servers = false` behaves as a new backend.
@@ -637,4 +639,70 @@ async fn kept_backend_keeps_its_temporary_schema() {
         describe_then_set_isolation(&mut next).as_deref(),
         Some("25001")
     );
+}
+
+/// Keepalive timers of established IPv4 TCP sockets on 127.0.0.1, from `/proc/net/tcp`:
+/// (local port, remote port, seconds until the timer fires), for sockets whose timer is a
+/// keepalive one (`tr` 2).
+fn keepalive_timers() -> Vec<(u16, u16, f64)> {
+    let table = std::fs::read_to_string("/proc/net/tcp").expect("/proc/net/tcp");
+    let port = |addr: &str| u16::from_str_radix(addr.rsplit(':').next().unwrap(), 16).unwrap();
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let (timer, when) = f[5].split_once(':')?;
+            // State 01 is ESTABLISHED; `when` counts USER_HZ (100 a second) ticks.
+            (f[3] == "01" && timer == "02").then(|| {
+                let ticks = u64::from_str_radix(when, 16).unwrap_or(u64::MAX);
+                (port(f[1]), port(f[2]), ticks as f64 / 100.0)
+            })
+        })
+        .collect()
+}
+
+/// PostgreSQL sets `SO_KEEPALIVE` on its client connections, so that a client that vanished
+/// (host frozen, network cut, no FIN or RST) is found and its transaction's locks freed;
+/// behind pgfence its `tcp_keepalives_*` reach only pgfence's connection. pgfence sets
+/// keepalive on its own connections to clients and to the server (`limits.tcp_keepalive`,
+/// with `tcp_keepalives_idle` here 7 s); `tcp_keepalive = false` sets none (found by a
+/// review, 2026-12-06: a vanished client's transaction held its row locks for good).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_have_tcp_keepalive() {
+    let cluster = PgCluster::start();
+    for on in [true, false] {
+        let proxy = proxy_with(&cluster, |c| {
+            c.limits.tcp_keepalive = on;
+            c.limits.tcp_keepalives_idle = Some(Duration::from_secs(7));
+            c.limits.tcp_keepalives_interval = Some(Duration::from_secs(2));
+            c.limits.tcp_keepalives_count = Some(3);
+        });
+        let mut raw = raw_login(&proxy);
+        raw.send(&wire::query("SELECT 1"));
+        raw.until_ready();
+        // A socket with data not yet acknowledged shows its retransmit timer instead
+        // (the client's delayed ACK): looked at again until both show, for up to 2 s.
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let (timers, client_side, server_side) = loop {
+            let timers = keepalive_timers();
+            // pgfence's end of the client's connection, and its connections to the server
+            // (the harness's own direct connections keep tokio-postgres' 2 hours).
+            let client_side = timers
+                .iter()
+                .any(|&(local, _, s)| local == proxy.port() && s <= 7.0);
+            let server_side = timers
+                .iter()
+                .any(|&(_, remote, s)| remote == cluster.port() && s <= 7.0);
+            if (client_side && server_side) || Instant::now() > deadline {
+                break (timers, client_side, server_side);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert_eq!(
+            (client_side, server_side),
+            (on, on),
+            "tcp_keepalive = {on}: keepalive timers {timers:?}"
+        );
+    }
 }

@@ -174,7 +174,7 @@ pub(super) async fn tell_client(client: &mut Stream, e: SessionError) -> Result<
 }
 
 pub(super) async fn connect_upstream(shared: &Shared, config: &Config) -> Result<Stream, String> {
-    let connect = Stream::connect(&config.upstream, shared.upstream_tls());
+    let connect = Stream::connect(&config.upstream, shared.upstream_tls(), &config.limits);
     match crate::deadline::timeout(config.limits.connect_timeout, connect).await {
         Ok(Ok(s)) => Ok(s),
         Ok(Err(e)) => Err(match config.upstream.socket_path() {
