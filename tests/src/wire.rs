@@ -402,6 +402,11 @@ impl RawConn {
         conn
     }
 
+    /// A second handle on the connection's socket (for a writer on another thread).
+    pub fn try_clone_stream(&self) -> TcpStream {
+        self.stream.try_clone().expect("clone the socket")
+    }
+
     /// Writes `bytes`; panics on failure.
     pub fn send(&mut self, bytes: &[u8]) {
         self.try_send(bytes)

@@ -26,9 +26,13 @@
 //!   session (a failpoint of debug builds) ends that session alone, with FATAL XX000; its
 //!   open transaction rolls back, `SHOW CLIENTS` forgets it, `pgfence_panics_total`
 //!   counts it, the log says what and who.
+//! - [`pgfence_memory_stays_bounded`]: a client that pipelines Syncs for seconds without
+//!   reading a reply, and one that receives a 50 MB row and sends a 50 MB Query, leave the
+//!   `pgfence` binary's RSS within a few MiB of where it was.
 //! - [`the_binary_s_worker_threads_time_out_silent_clients`]: the same startup timeout in
 //!   the `pgfence` binary, whose sessions run on worker threads (runtimes of their own).
 
+use std::io::ErrorKind;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -819,4 +823,92 @@ fn the_binary_s_worker_threads_time_out_silent_clients() {
     );
     working.send(&wire::query("SELECT 1"));
     assert!(working.until_ready().iter().any(|m| m.tag == b'D'));
+}
+
+/// VmRSS of process `pid`, KiB.
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("a VmRSS line")
+}
+
+/// How much more than `base` KiB process `pid` holds: looked at until below `limit` KiB,
+/// for up to 2 s.
+fn settled_growth(pid: u32, base: u64, limit: u64) -> u64 {
+    let until = Instant::now() + Duration::from_secs(2);
+    loop {
+        let grown = rss_kib(pid).saturating_sub(base);
+        if grown < limit || Instant::now() > until {
+            return grown;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// pgfence reads ahead of the server, so a client that pipelines without reading replies
+/// (5-byte Syncs, each owing a reply pgfence tracks) once grew it by hundreds of MB in
+/// seconds, until the OOM killer took every session; PostgreSQL alone stops reading such a
+/// client once its replies cannot be written. And buffers that a large message grew were
+/// kept by the idle session (99 MB after a 50 MB row). Found by a review, 2026-12-06.
+#[test]
+fn pgfence_memory_stays_bounded() {
+    use std::io::Write;
+    let cluster = PgCluster::start();
+    let mut config = Proxy::config_for(&cluster);
+    config.pool.reuse_servers = false;
+    let proxy = ProxyProcess::builder()
+        .config(config)
+        .args(["--config", "{config}"])
+        .start();
+    let (mut warm, _) = RawConn::login(proxy.addr(), SUPERUSER, APP_DB);
+    warm.send(&wire::query("SELECT 1"));
+    warm.until_ready();
+    let base = rss_kib(proxy.pid());
+
+    // Syncs for 4 s, no reply read.
+    let (flood, _) = RawConn::login(proxy.addr(), SUPERUSER, APP_DB);
+    let mut socket = flood.try_clone_stream();
+    socket
+        .set_write_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    let syncs = wire::sync().repeat(13_000);
+    let until = Instant::now() + Duration::from_secs(4);
+    let mut sent = 0usize;
+    while Instant::now() < until {
+        match socket.write(&syncs) {
+            Ok(n) => sent += n,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(e) => panic!("after {sent} bytes of Syncs: {e}"),
+        }
+    }
+    let grown = rss_kib(proxy.pid()).saturating_sub(base);
+    assert!(
+        grown < 32 * 1024,
+        "pgfence grew by {grown} KiB while a client sent {sent} bytes of Syncs without reading"
+    );
+    drop((socket, flood));
+
+    // A 50 MB row and a 50 MB Query, then the session idles.
+    let (mut big, _) = RawConn::login(proxy.addr(), SUPERUSER, APP_DB);
+    big.send(&wire::query("SELECT repeat('x', 50000000)"));
+    let replies = big.until_ready();
+    assert!(replies.iter().all(|m| m.tag != b'E'), "big row failed");
+    big.send(&wire::query(format!(
+        "SELECT length('{}')",
+        "y".repeat(50_000_000)
+    )));
+    let replies = big.until_ready();
+    assert!(replies.iter().all(|m| m.tag != b'E'), "big Query failed");
+    // The session gives its buffers back once it has written the last reply, a moment
+    // after the client read it.
+    let grown = settled_growth(proxy.pid(), base, 32 * 1024);
+    assert!(
+        grown < 32 * 1024,
+        "pgfence keeps {grown} KiB more for an idle session that once had a 50 MB row and Query"
+    );
+    big.send(&wire::query("SELECT 1"));
+    big.until_ready();
 }

@@ -51,9 +51,29 @@ use self::tx::TxState;
 const HIGH_WATER: usize = 1 << 20;
 /// Read buffer growth step.
 const READ_CHUNK: usize = 16 * 1024;
+/// Requests in flight to the server beyond which pgfence stops reading the client (as
+/// PostgreSQL stops reading while its replies cannot be written): each holds an entry of
+/// about 150 bytes until answered, whatever its own size (a Sync is 5 bytes), so a client
+/// that pipelines without reading would otherwise grow pgfence's memory without bound.
+/// Far above what the server can leave unanswered before the client's next Sync or Flush
+/// (its 8 KiB output buffer, of replies of at least 5 bytes).
+const MAX_OWED_REPLIES: usize = 8192;
+/// An empty buffer whose allocation grew past this (a large message went through) is
+/// given back when the session is idle: an idle session keeps `READ_CHUNK`s, not the
+/// largest message it saw.
+const SHRINK_BUFFERS_ABOVE: usize = 256 * 1024;
 /// Largest server message: `limits.max_message_size` protects pgfence from its clients, and
 /// must not cut off a result row PostgreSQL is willing to send (a field may hold 1 GB).
 const SERVER_MAX_MESSAGE: u32 = i32::MAX as u32;
+/// Replaces `buf` with a new `READ_CHUNK` one if it is empty and its allocation is larger
+/// than `SHRINK_BUFFERS_ABOVE` (`try_reclaim` tells without allocating).
+#[inline]
+fn shrink_when_empty(buf: &mut BytesMut) {
+    if buf.is_empty() && buf.try_reclaim(SHRINK_BUFFERS_ABOVE + 1) {
+        *buf = BytesMut::with_capacity(READ_CHUNK);
+    }
+}
+
 /// How long resetting a server connection for the next client may take.
 const RESET_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 /// How long the last words to a client whose session fails may take to write.
@@ -714,9 +734,22 @@ impl Session {
             {
                 return Err(self.say_goodbye(&mut cw, stop.reason()).await);
             }
-            let read_client =
-                client_open && self.reads_client() && self.to_server.len() < HIGH_WATER;
+            let read_client = client_open
+                && self.reads_client()
+                && self.to_server.len() < HIGH_WATER
+                && self.replies.len() < MAX_OWED_REPLIES;
             let read_server = self.to_client.len() < HIGH_WATER;
+            if self.replies.is_empty() {
+                for buf in [
+                    &mut cbuf,
+                    &mut sbuf,
+                    &mut self.to_server,
+                    &mut self.to_client,
+                ] {
+                    shrink_when_empty(buf);
+                }
+                self.replies.shrink_when_empty();
+            }
             if cbuf.capacity() - cbuf.len() < 1024 {
                 cbuf.reserve(READ_CHUNK);
             }

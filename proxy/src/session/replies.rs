@@ -175,6 +175,9 @@ pub struct Pending {
     pub before: Option<Arc<Prepared>>,
 }
 
+/// Entries beyond which an empty queue gives its memory back.
+const SHRINK_QUEUE_ABOVE: usize = 1024;
+
 /// The queue of owed replies.
 #[derive(Debug, Default)]
 pub struct Replies {
@@ -310,6 +313,14 @@ impl Replies {
     #[inline]
     pub fn len(&self) -> usize {
         self.queue.len()
+    }
+
+    /// Gives back the memory of a queue a long pipeline grew, once it is empty.
+    #[inline]
+    pub fn shrink_when_empty(&mut self) {
+        if self.queue.is_empty() && self.queue.capacity() > SHRINK_QUEUE_ABOVE {
+            self.queue = VecDeque::new();
+        }
     }
 
     #[inline]
