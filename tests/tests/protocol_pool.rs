@@ -16,6 +16,10 @@
 //!   client gets in; with nothing kept, the refusal reaches the client at once.
 //! - [`reuse_off_and_idle_timeout`]: `reuse_servers = false` keeps nothing;
 //!   `server_idle_timeout` closes kept connections.
+//! - [`a_kept_connection_reports_settings_a_reload_changed`]: a reload that changes a
+//!   reported setting (`default_transaction_read_only`) while a connection sits kept: the
+//!   next client's login says the new value, as a new backend's would; and a kept
+//!   connection whose backend was terminated is replaced at once, the client none the wiser.
 //! - [`connections_have_tcp_keepalive`]: `limits.tcp_keepalive*` arm keepalive timers on
 //!   pgfence's client and server connections (read from `/proc/net/tcp`), and off, none.
 //! - [`kept_backend_keeps_its_temporary_schema`]: the known limitation README states (a
@@ -705,4 +709,101 @@ async fn connections_have_tcp_keepalive() {
             "tcp_keepalive = {on}: keepalive timers {timers:?}"
         );
     }
+}
+
+/// The value a login's ParameterStatus gives `name`, if any.
+fn login_param(msgs: &[wire::Msg], name: &str) -> Option<String> {
+    msgs.iter().filter(|m| m.tag == b'S').find_map(|m| {
+        let mut parts = m.body.split(|&b| b == 0);
+        (parts.next()? == name.as_bytes())
+            .then(|| String::from_utf8_lossy(parts.next().unwrap_or_default()).into_owned())
+    })
+}
+
+/// An idle backend reports what a configuration reload changed only with its next
+/// ReadyForQuery: a kept connection's login, replayed as it was at its last reset, once
+/// told the next client `default_transaction_read_only = off` after the server had turned
+/// it on, so that libpq's `target_session_attrs=read-write` accepted a read-only server
+/// (found by a review, 2026-12-06). pgfence now asks the kept connection for a
+/// ReadyForQuery first; a kept connection that fails it is replaced by a new one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_connection_reports_settings_a_reload_changed() {
+    let cluster = PgCluster::start();
+    let proxy = proxy_with(&cluster, |_| {});
+    let direct = cluster.connect(APP_DB).await;
+    let login = || {
+        let mut conn = RawConn::connect(proxy.addr());
+        conn.send(&wire::startup(SUPERUSER, APP_DB));
+        let msgs = conn.until_ready();
+        (conn, msgs)
+    };
+    let (mut first, msgs) = login();
+    assert_eq!(
+        login_param(&msgs, "default_transaction_read_only").as_deref(),
+        Some("off")
+    );
+    first.send(&wire::query("SELECT 'first'"));
+    first.until_ready();
+    let kept_pid = pid_that_ran(&direct, "'first'").await;
+    first.send(&wire::terminate());
+    wait_idle_servers(&proxy, 1).await;
+
+    direct
+        .batch_execute("ALTER SYSTEM SET default_transaction_read_only = on")
+        .await
+        .unwrap();
+    direct
+        .batch_execute("SELECT pg_reload_conf()")
+        .await
+        .unwrap();
+    // The postmaster has read the file once a new backend starts with the new value.
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let fresh = cluster.connect(APP_DB).await;
+        let row = fresh
+            .query_one("SHOW default_transaction_read_only", &[])
+            .await
+            .unwrap();
+        if row.get::<_, String>(0) == "on" {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the reload never took effect");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (mut second, msgs) = login();
+    assert_eq!(
+        login_param(&msgs, "default_transaction_read_only").as_deref(),
+        Some("on"),
+        "the login on the kept connection must report the reloaded value"
+    );
+    second.send(&wire::query("SELECT 'second'"));
+    second.until_ready();
+    assert_eq!(
+        pid_that_ran(&direct, "'second'").await,
+        kept_pid,
+        "the kept connection was used"
+    );
+    second.send(&wire::terminate());
+    wait_idle_servers(&proxy, 1).await;
+    direct
+        .batch_execute("ALTER SYSTEM RESET default_transaction_read_only")
+        .await
+        .unwrap();
+    direct
+        .batch_execute("SELECT pg_reload_conf()")
+        .await
+        .unwrap();
+
+    // A kept backend terminated before the sweep sees it: the next client gets a new one.
+    direct
+        .execute("SELECT pg_terminate_backend($1)", &[&kept_pid])
+        .await
+        .unwrap();
+    wait_backend_gone(&direct, kept_pid).await;
+    let (mut third, msgs) = login();
+    assert!(msgs.iter().all(|m| m.tag != b'E'), "{msgs:?}");
+    third.send(&wire::query("SELECT 'third'"));
+    let replies = third.until_ready();
+    assert!(replies.iter().all(|m| m.tag != b'E'), "{replies:?}");
+    assert_ne!(pid_that_ran(&direct, "'third'").await, kept_pid);
 }

@@ -18,6 +18,64 @@ use super::{
     SERVER_MAX_MESSAGE,
 };
 
+/// Asks a kept connection for a ReadyForQuery (a Sync) before a client gets it, within
+/// `timeout`. An idle backend reports what a configuration reload changed
+/// (`default_transaction_read_only`, `in_hot_standby` after a promotion, ...) only with its
+/// next ReadyForQuery: without this round trip the client's login would give the values of
+/// the last reset, and libpq's `target_session_attrs` could pick the wrong server. A
+/// connection the server ended meanwhile fails here, and the session makes a new one.
+pub(super) async fn refresh_kept(
+    server: &mut Stream,
+    login: &mut LoginReply,
+    timeout: std::time::Duration,
+) -> Result<(), SessionError> {
+    use crate::protocol::message as msg;
+    let refresh = async {
+        let mut out = BytesMut::new();
+        msg::sync(&mut out);
+        server
+            .write_all(&out)
+            .await
+            .map_err(SessionError::ServerIo)?;
+        server.flush().await.map_err(SessionError::ServerIo)?;
+        let mut buf = BytesMut::with_capacity(1024);
+        loop {
+            while let Some((tag, len)) =
+                next_frame(&buf, SERVER_MAX_MESSAGE).map_err(SessionError::ServerFrame)?
+            {
+                let frame = buf.split_to(len);
+                match tag {
+                    b'S' => {
+                        if let Some((name, _)) = msg::cstr(msg::body(&frame)) {
+                            login.set_param(name, &frame);
+                        }
+                    }
+                    b'N' => {}
+                    b'Z' if msg::ready_status(&frame) == b'I' && buf.is_empty() => {
+                        return Ok(());
+                    }
+                    _ => return Err(SessionError::UnexpectedServerMessage(tag as char)),
+                }
+            }
+            if server
+                .read_buf(&mut buf)
+                .await
+                .map_err(SessionError::ServerIo)?
+                == 0
+            {
+                return Err(SessionError::ServerIo(
+                    std::io::ErrorKind::UnexpectedEof.into(),
+                ));
+            }
+        }
+    };
+    crate::deadline::timeout(timeout, refresh)
+        .await
+        .unwrap_or(Err(SessionError::ServerIo(
+            std::io::ErrorKind::TimedOut.into(),
+        )))
+}
+
 impl Session {
     /// Logs a client in on a kept server connection: the client gets the login reply the
     /// server gave, with pgfence's own cancel key for it, as if the server had just sent it.

@@ -383,7 +383,7 @@ async fn run_session(
         upstream: crate::pool::upstream_key(&config.upstream),
         startup: cbuf[..packet_len].into(),
     });
-    let parked = pool_key
+    let mut parked = pool_key
         .as_ref()
         .and_then(|key| shared.pool.take(key, &config.pool))
         .and_then(|p| {
@@ -391,6 +391,12 @@ async fn run_session(
             let login = p.login;
             Stream::from_std(p.stream).ok().map(|s| (s, born, login))
         });
+    if let Some((server, _, login)) = &mut parked {
+        if let Err(e) = kept::refresh_kept(server, login, RESET_TIMEOUT).await {
+            debug!(error = %e, "a kept server connection failed its check: connecting anew");
+            parked = None;
+        }
+    }
     let mut sbuf = BytesMut::with_capacity(READ_CHUNK);
     let (mut server, born, reused) = match parked {
         Some((s, born, login)) => (s, born, Some(login)),
