@@ -118,7 +118,8 @@ impl SessionError {
             SessionError::NotAdmin(_)
             | SessionError::TlsRequired(_)
             | SessionError::CertificateUserMismatch { .. }
-            | SessionError::ChannelBindingThroughProxy => "28000",
+            | SessionError::ChannelBindingThroughProxy
+            | SessionError::Startup(StartupError::NoUser) => "28000",
             SessionError::Shutdown | SessionError::Killed => "57P01",
             // feature_not_supported, as PostgreSQL answers an unsupported version.
             SessionError::Startup(StartupError::Version { .. }) => "0A000",
@@ -179,7 +180,11 @@ impl SessionError {
 
     /// Appends the FATAL ErrorResponse that tells the client why its session ends.
     pub fn to_client(&self, out: &mut BytesMut) {
-        let message = self.to_string();
+        let message = match self {
+            // PostgreSQL's words, as they are.
+            SessionError::Startup(e @ StartupError::NoUser) => e.to_string(),
+            _ => self.to_string(),
+        };
         if let SessionError::Startup(StartupError::Version { major, .. }) = self {
             if *major < 3 {
                 // A protocol 2 client reads errors in that protocol's format, as PostgreSQL

@@ -7,7 +7,7 @@
 //!
 //! - [`startup_phase_garbage_is_refused`]: an HTTP request instead of a startup packet,
 //!   startup lengths below 8 / above the cap / negative, protocol version 2 (the same
-//!   SQLSTATE PostgreSQL gives), a truncated startup packet then close, a client that never
+//!   SQLSTATE PostgreSQL gives), no user (28000 and PostgreSQL's words), a truncated startup packet then close, a client that never
 //!   finishes its startup (startup timeout).
 //! - [`ready_phase_bad_frames_are_refused`]: after login, a truncated frame then close,
 //!   length < 4, a length beyond `limits.max_message_size` (and a message just under it
@@ -208,10 +208,6 @@ fn startup_phase_garbage_is_refused() {
             b.extend(wire::PROTOCOL_3_0.to_be_bytes());
             b
         }),
-        (
-            "no user",
-            wire::startup_version(wire::PROTOCOL_3_0, &[("database", b"app")]),
-        ),
         ("an unterminated parameter list", {
             let mut b = wire::startup(SUPERUSER, APP_DB);
             b.pop();
@@ -262,6 +258,20 @@ fn startup_phase_garbage_is_refused() {
         assert!(message.contains("4.0"), "{message}");
     }
     others.check("protocol version 4");
+    // No user: PostgreSQL's SQLSTATE and words.
+    let no_user = wire::startup_version(3 << 16, &[("database", b"app")]);
+    for addr in [direct_addr, proxy.addr()] {
+        let mut conn = RawConn::connect(addr);
+        conn.send(&no_user);
+        let replies = conn.until_closed();
+        assert_eq!(replies.len(), 1, "{addr}: {replies:?}");
+        let message = assert_error(&replies[0], "FATAL", "28000");
+        assert_eq!(
+            message,
+            "no PostgreSQL user name specified in startup packet"
+        );
+    }
+    others.check("no user");
 
     // A truncated startup packet, then close: nothing to answer, nothing left behind.
     let mut conn = RawConn::connect(proxy.addr());

@@ -117,6 +117,9 @@ pub enum StartupError {
     Version { major: u16, minor: u16 },
     #[error("invalid startup packet layout: {0}")]
     Layout(&'static str),
+    /// PostgreSQL's words and SQLSTATE (28000) for a StartupMessage without `user`.
+    #[error("no PostgreSQL user name specified in startup packet")]
+    NoUser,
 }
 
 /// Decodes the startup packet at the start of `buf`: `Ok(None)` when incomplete, else the
@@ -187,9 +190,7 @@ fn parse_params(mut rest: &[u8]) -> Result<Params, StartupError> {
         rest = &rest[vend + 1..];
     }
     if !params.iter().any(|(k, _)| k == b"user") {
-        return Err(StartupError::Layout(
-            "no PostgreSQL user name specified in startup packet",
-        ));
+        return Err(StartupError::NoUser);
     }
     Ok(params)
 }
