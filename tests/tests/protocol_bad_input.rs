@@ -895,6 +895,7 @@ fn pgfence_memory_stays_bounded() {
         }
     }
     let grown = rss_kib(proxy.pid()).saturating_sub(base);
+    eprintln!("{sent} bytes of Syncs unread: pgfence grew by {grown} KiB");
     assert!(
         grown < 32 * 1024,
         "pgfence grew by {grown} KiB while a client sent {sent} bytes of Syncs without reading"
@@ -915,6 +916,7 @@ fn pgfence_memory_stays_bounded() {
     // The session gives its buffers back once it has written the last reply, a moment
     // after the client read it.
     let grown = settled_growth(proxy.pid(), base, 32 * 1024);
+    eprintln!("after a 50 MB row and Query, idle: pgfence holds {grown} KiB more");
     assert!(
         grown < 32 * 1024,
         "pgfence keeps {grown} KiB more for an idle session that once had a 50 MB row and Query"
