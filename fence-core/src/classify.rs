@@ -32,7 +32,7 @@
 //! - `SHOW`, `SET`, `RESET`, `LISTEN`, `UNLISTEN`, `CLOSE`: session state only.
 //! - `EXPLAIN` without `ANALYZE`/`ANALYSE` (it only plans) of a `SELECT`, `VALUES`, `TABLE`
 //!   or `WITH` query that is `ReadOnly` by the rules above (the planner may run immutable
-//!   functions). Of anything else (`INSERT`, `EXECUTE`, `CREATE TABLE ... AS`) it is
+//!   functions, which write only if a user's immutable function lies; see below). Of anything else (`INSERT`, `EXECUTE`, `CREATE TABLE ... AS`) it is
 //!   `MayWrite` whatever the options, since PostgreSQL takes a quoted identifier for an
 //!   option name too (`EXPLAIN ("analyze") INSERT ...` runs the insert).
 //! - `PREPARE name AS` a query that is `ReadOnly` by the rules above.
@@ -46,9 +46,13 @@
 //!
 //! Known limitations, inherent in classifying text (the proxy's switch that turns
 //! read-skipping off covers them): the text does not show that a view, a row-level security
-//! policy, a user-defined operator, cast or type input function, a function called with
-//! attribute notation (`t.full_name`), or a user function that overloads or shadows a listed
-//! name (through `search_path`) writes. The lexer's assumptions (standard-conforming strings
+//! policy, a domain's `CHECK` constraint, a user-defined operator, cast (implicit ones too,
+//! and those built-ins such as `to_json` apply), aggregate, operator class or type input
+//! function, a function called with attribute notation (`t.full_name`), a user function
+//! that overloads or shadows a listed name (through `search_path`), or an `IMMUTABLE`
+//! function the planner folds for a plain `EXPLAIN` writes. So `ReadOnly` is a claim about
+//! the text, which holds only for schemas without such objects (README, known
+//! limitations; each was verified to let a stale write commit, 2026-12-06). The lexer's assumptions (standard-conforming strings
 //! unless told otherwise, an ASCII-safe client encoding) apply too.
 
 use std::ops::{Deref, Range};

@@ -1398,6 +1398,58 @@ async fn non_transactional_statements_are_prechecked() {
     assert_eq!(fx.count("pg_class WHERE relname = 'nt_current'").await, 1);
 }
 
+/// Reads whose writes only the schema shows: a domain's CHECK, a user-defined operator, a
+/// user function overloading a built-in name. The classifier takes each for a read, so
+/// with `fence.skip_read_only = true` (the default) a stale session's write commits: the
+/// limitation README states (found by a review, 2026-12-06). With `skip_read_only =
+/// false` every one is checked and rejected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_that_write_through_the_schema_need_skip_read_only_off() {
+    let setup = "
+        CREATE TABLE sw (tag text);
+        CREATE FUNCTION sw_write(tag text) RETURNS boolean LANGUAGE plpgsql
+            AS $$ BEGIN INSERT INTO sw VALUES (tag); RETURN true; END $$;
+        CREATE DOMAIN sw_d AS int CHECK (sw_write('domain'));
+        CREATE FUNCTION sw_op(a int, b int) RETURNS int LANGUAGE plpgsql
+            AS $$ BEGIN PERFORM sw_write('operator'); RETURN a + b; END $$;
+        CREATE OPERATOR ### (FUNCTION = sw_op, LEFTARG = int, RIGHTARG = int);
+        CREATE FUNCTION public.lower(i int) RETURNS int LANGUAGE plpgsql
+            AS $$ BEGIN PERFORM sw_write('overload'); RETURN i; END $$;";
+    let reads = ["SELECT 1::sw_d", "SELECT 1 ### 2", "SELECT lower(1)"];
+    for skip_read_only in [true, false] {
+        let fx = Fixture::start(setup, |c| {
+            c.fence.skip_read_only = skip_read_only;
+            c.fence.fast_path = false;
+        })
+        .await;
+        let r = "schema_reads";
+        fx.leader(r, 34)
+            .await
+            .simple("INSERT INTO sw VALUES ('leader')")
+            .await
+            .unwrap();
+        let mut stale_session = fx.leader(r, 33).await;
+        for sql in reads {
+            if skip_read_only {
+                stale_session
+                    .simple(sql)
+                    .await
+                    .unwrap_or_else(|e| panic!("{sql}: {e:?}"));
+            } else {
+                stale_session
+                    .expect_rejection(Protocol::Simple, &[sql], &stale(r, 33, 34), sql)
+                    .await;
+            }
+        }
+        let landed = fx.count("sw WHERE tag <> 'leader'").await;
+        assert_eq!(
+            landed,
+            if skip_read_only { 3 } else { 0 },
+            "skip_read_only = {skip_read_only}"
+        );
+    }
+}
+
 /// A token set by a function whose text pgfence never sees (`set_config` in a stored
 /// procedure): once the server commits with it, the fast path stops using the startup
 /// token it believed the session had. It once rejected the leader's next writes with FN001
