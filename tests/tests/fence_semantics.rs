@@ -1488,8 +1488,9 @@ async fn a_token_set_by_a_function_replaces_the_startup_token_for_the_fast_path(
 }
 
 /// The fast path reads the token PostgreSQL uses: a startup parameter `fencing.token`
-/// comes after `options` (PostgreSQL's `process_startup_options`), and `options` are read
-/// with getopt, so `-ec fencing.token=34` sets it. pgfence once kept 33 from `options` in
+/// comes after `options` (PostgreSQL's `process_startup_options`), the last of two
+/// `options` parameters is the one PostgreSQL keeps, and `options` are read with getopt, so
+/// `-ec fencing.token=34` sets it. pgfence once kept 33 from `options` in
 /// both cases and rejected the leader with FN001 (found by an adversarial review,
 /// 2026-12-06).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1498,7 +1499,17 @@ async fn the_fast_path_reads_the_startup_token_postgres_uses() {
     let addr = fx.proxy.addr();
     let options = "-c fencing.resource=startup_tok -c fencing.token=33";
     let combined = format!("{options} -ec fencing.token=34");
+    let later = "-c fencing.resource=startup_tok -c fencing.token=34";
     for (what, params) in [
+        (
+            "the last of two options parameters",
+            vec![
+                ("user", SUPERUSER.as_bytes()),
+                ("database", APP_DB.as_bytes()),
+                ("options", options.as_bytes()),
+                ("options", later.as_bytes()),
+            ],
+        ),
         (
             "a startup parameter after options",
             vec![
@@ -1530,7 +1541,7 @@ async fn the_fast_path_reads_the_startup_token_postgres_uses() {
         let row = replies.iter().find_map(|m| m.data_row()).expect("a row");
         assert_eq!(row[0].as_deref(), Some(b"34".as_slice()), "{what}");
     }
-    assert_eq!(fx.count("startup_tok").await, 3);
+    assert_eq!(fx.count("startup_tok").await, 4);
 }
 
 /// A `CALL` run by an Execute behind another Execute of its batch: PostgreSQL runs it

@@ -39,10 +39,13 @@ pub struct Startup {
 }
 
 impl Startup {
-    /// A parameter's value.
+    /// A parameter's value: the last one of its name, as PostgreSQL's
+    /// `ProcessStartupPacket` keeps the last `user`, `database` and `options`, and applies
+    /// settings in order.
     pub fn param(&self, name: &str) -> Option<&[u8]> {
         self.params
             .iter()
+            .rev()
             .find(|(k, _)| k == name.as_bytes())
             .map(|(_, v)| v.as_slice())
     }
@@ -195,6 +198,12 @@ fn parse_params(mut rest: &[u8]) -> Result<Params, StartupError> {
     Ok(params)
 }
 
+/// White space as C's `isspace` in the "C" locale, which PostgreSQL's `pg_split_opts`
+/// splits `options` at: vertical tab included (Rust's `is_ascii_whitespace` leaves it out).
+fn is_c_space(b: u8) -> bool {
+    matches!(b, b' ' | b'\t' | b'\n' | b'\x0b' | b'\x0c' | b'\r')
+}
+
 /// The switches of PostgreSQL's `process_postgres_switches` that take an argument (its
 /// getopt string `B:bc:C:D:d:efFj:k:lN:nOPp:r:S:sTt:v:W:-:`, PostgreSQL 15).
 const SWITCHES_WITH_ARGUMENT: &[u8] = b"BcCDdjkNprStvW-";
@@ -215,7 +224,7 @@ pub fn options_settings(options: &[u8]) -> Vec<(String, String)> {
             escaped = false;
         } else if b == b'\\' {
             escaped = true;
-        } else if b.is_ascii_whitespace() {
+        } else if is_c_space(b) {
             if !word.is_empty() {
                 words.push(std::mem::take(&mut word));
             }
@@ -247,9 +256,10 @@ pub fn options_settings(options: &[u8]) -> Vec<(String, String)> {
             };
             if let (Some(s), b'c' | b'-') = (argument, switch) {
                 if let Some(eq) = s.iter().position(|&b| b == b'=') {
+                    // GUC names fold ASCII letters only (`guc_name_compare`).
                     let name = String::from_utf8_lossy(&s[..eq])
                         .replace('-', "_")
-                        .to_lowercase();
+                        .to_ascii_lowercase();
                     settings.push((name, String::from_utf8_lossy(&s[eq + 1..]).into_owned()));
                 }
             }

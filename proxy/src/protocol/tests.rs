@@ -339,6 +339,14 @@ fn options_settings_are_parsed_like_postgres() {
         token("404")
     );
     assert_eq!(pairs(b"stray -c fencing.token=405"), token("405"));
+    // pg_split_opts splits at C's isspace, vertical tab included; names fold ASCII only
+    // (U+212A KELVIN SIGN is not `k` to PostgreSQL).
+    assert_eq!(pairs(b"-c\x0bfencing.token=406"), token("406"));
+    assert_eq!(
+        pairs("-c fencing.to\u{212A}en=1".as_bytes()),
+        vec![("fencing.to\u{212A}en".to_string(), "1".to_string())]
+    );
+    assert_eq!(pairs(b"-c FENCING.TOKEN=407"), token("407"));
     assert_eq!(pairs(b"-c"), vec![]);
     assert_eq!(pairs(b"-c noequals"), vec![]);
 }

@@ -155,7 +155,7 @@ impl FenceSettings {
                 .iter()
                 .map(|(k, v)| {
                     (
-                        String::from_utf8_lossy(k).to_lowercase(),
+                        String::from_utf8_lossy(k).to_ascii_lowercase(),
                         String::from_utf8_lossy(v).into_owned(),
                     )
                 })
