@@ -764,6 +764,8 @@ impl Config {
         if self.limits.max_message_size < 1024 {
             return invalid("limits.max_message_size must be at least 1024 bytes".into());
         }
+        // Linux's bounds (TCP_KEEPIDLE and TCP_KEEPINTVL up to 32767 s, TCP_KEEPCNT up to
+        // 127): a value the kernel refuses would fail every connection.
         for (name, value) in [
             ("tcp_keepalives_idle", self.limits.tcp_keepalives_idle),
             (
@@ -771,14 +773,23 @@ impl Config {
                 self.limits.tcp_keepalives_interval,
             ),
         ] {
-            if value.is_some_and(|d| d < Duration::from_secs(1)) {
-                return invalid(format!(
-                    "limits.{name} must be at least 1s (probes are timed in whole seconds)"
-                ));
+            if let Some(d) = value {
+                if d < Duration::from_secs(1)
+                    || d > Duration::from_secs(32767)
+                    || d.subsec_nanos() != 0
+                {
+                    return invalid(format!(
+                        "limits.{name} must be a whole number of seconds from 1s to 32767s"
+                    ));
+                }
             }
         }
-        if self.limits.tcp_keepalives_count == Some(0) {
-            return invalid("limits.tcp_keepalives_count must be at least 1".into());
+        if self
+            .limits
+            .tcp_keepalives_count
+            .is_some_and(|n| !(1..=127).contains(&n))
+        {
+            return invalid("limits.tcp_keepalives_count must be from 1 to 127".into());
         }
         for name in self.fence.resources.keys() {
             if let Err(e) = Resource::parse(name.as_bytes()) {

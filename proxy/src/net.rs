@@ -116,7 +116,11 @@ impl Stream {
         }
         let s = TcpStream::connect((upstream.host.as_str(), upstream.port)).await?;
         let _ = s.set_nodelay(true);
-        keepalive(&s, limits)?;
+        if let Err(e) = keepalive(&s, limits) {
+            // As PostgreSQL does when a keepalive setting is refused: the connection is
+            // still good.
+            tracing::warn!(error = %e, "could not set TCP keepalive on the server connection");
+        }
         match tls {
             None => Ok(Stream::Tcp(s)),
             Some(tls) => Stream::start_tls(s, tls, &upstream.host, upstream.sslmode).await,

@@ -354,7 +354,7 @@ async fn run_session(
     if let Stream::Tcp(tcp) = &client {
         let _ = tcp.set_nodelay(true);
         if let Err(e) = crate::net::keepalive(tcp, &config.limits) {
-            debug!(error = %e, "could not set TCP keepalive on the client connection");
+            warn!(error = %e, "could not set TCP keepalive on the client connection");
         }
     }
     let mut cbuf = BytesMut::with_capacity(READ_CHUNK);
