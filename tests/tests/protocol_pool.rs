@@ -720,6 +720,19 @@ fn login_param(msgs: &[wire::Msg], name: &str) -> Option<String> {
     })
 }
 
+/// `ALTER SYSTEM <change>`, then a reload of the configuration.
+async fn alter_system(direct: &Client, change: &str) {
+    // ALTER SYSTEM cannot share a query string (an implicit transaction) with anything.
+    direct
+        .batch_execute(&format!("ALTER SYSTEM {change}"))
+        .await
+        .unwrap();
+    direct
+        .batch_execute("SELECT pg_reload_conf()")
+        .await
+        .unwrap();
+}
+
 /// An idle backend reports what a configuration reload changed only with its next
 /// ReadyForQuery: a kept connection's login, replayed as it was at its last reset, once
 /// told the next client `default_transaction_read_only = off` after the server had turned
@@ -748,14 +761,7 @@ async fn a_kept_connection_reports_settings_a_reload_changed() {
     first.send(&wire::terminate());
     wait_idle_servers(&proxy, 1).await;
 
-    direct
-        .batch_execute("ALTER SYSTEM SET default_transaction_read_only = on")
-        .await
-        .unwrap();
-    direct
-        .batch_execute("SELECT pg_reload_conf()")
-        .await
-        .unwrap();
+    alter_system(&direct, "SET default_transaction_read_only = on").await;
     // The postmaster has read the file once a new backend starts with the new value.
     let deadline = Instant::now() + WAIT;
     loop {
@@ -785,14 +791,7 @@ async fn a_kept_connection_reports_settings_a_reload_changed() {
     );
     second.send(&wire::terminate());
     wait_idle_servers(&proxy, 1).await;
-    direct
-        .batch_execute("ALTER SYSTEM RESET default_transaction_read_only")
-        .await
-        .unwrap();
-    direct
-        .batch_execute("SELECT pg_reload_conf()")
-        .await
-        .unwrap();
+    alter_system(&direct, "RESET default_transaction_read_only").await;
 
     // A kept backend terminated before the sweep sees it: the next client gets a new one.
     direct

@@ -30,50 +30,63 @@ pub(super) async fn refresh_kept(
     timeout: std::time::Duration,
 ) -> Result<(), SessionError> {
     use crate::protocol::message as msg;
-    let refresh = async {
-        let mut out = BytesMut::new();
-        msg::sync(&mut out);
-        server
-            .write_all(&out)
-            .await
-            .map_err(SessionError::ServerIo)?;
-        server.flush().await.map_err(SessionError::ServerIo)?;
-        let mut buf = BytesMut::with_capacity(1024);
-        loop {
-            while let Some((tag, len)) =
-                next_frame(&buf, SERVER_MAX_MESSAGE).map_err(SessionError::ServerFrame)?
-            {
-                let frame = buf.split_to(len);
-                match tag {
-                    b'S' => {
-                        if let Some((name, _)) = msg::cstr(msg::body(&frame)) {
-                            login.set_param(name, &frame);
-                        }
-                    }
-                    b'N' => {}
-                    b'Z' if msg::ready_status(&frame) == b'I' && buf.is_empty() => {
-                        return Ok(());
-                    }
-                    _ => return Err(SessionError::UnexpectedServerMessage(tag as char)),
-                }
+    let mut out = BytesMut::new();
+    msg::sync(&mut out);
+    let refresh = exchange(server, &out, |tag, frame| match tag {
+        b'S' => {
+            if let Some((name, _)) = msg::cstr(msg::body(frame)) {
+                login.set_param(name, frame);
             }
-            if server
-                .read_buf(&mut buf)
-                .await
-                .map_err(SessionError::ServerIo)?
-                == 0
-            {
-                return Err(SessionError::ServerIo(
-                    std::io::ErrorKind::UnexpectedEof.into(),
-                ));
-            }
+            Ok(())
         }
-    };
+        b'N' => Ok(()),
+        _ => Err(SessionError::UnexpectedServerMessage(tag as char)),
+    });
     crate::deadline::timeout(timeout, refresh)
         .await
         .unwrap_or(Err(SessionError::ServerIo(
             std::io::ErrorKind::TimedOut.into(),
         )))
+}
+
+/// Sends `request` on an idle server connection and hands every reply but the closing
+/// ReadyForQuery to `on_reply`, which refuses what it does not expect. Ends with that
+/// ReadyForQuery, which must say idle and be the last bytes the server sent.
+async fn exchange(
+    server: &mut Stream,
+    request: &[u8],
+    mut on_reply: impl FnMut(u8, &[u8]) -> Result<(), SessionError>,
+) -> Result<(), SessionError> {
+    server
+        .write_all(request)
+        .await
+        .map_err(SessionError::ServerIo)?;
+    server.flush().await.map_err(SessionError::ServerIo)?;
+    let mut buf = BytesMut::with_capacity(1024);
+    loop {
+        while let Some((tag, len)) =
+            next_frame(&buf, SERVER_MAX_MESSAGE).map_err(SessionError::ServerFrame)?
+        {
+            let frame = buf.split_to(len);
+            if tag == b'Z' && crate::protocol::message::ready_status(&frame) == b'I' {
+                return match buf.first() {
+                    None => Ok(()),
+                    Some(&next) => Err(SessionError::UnexpectedServerMessage(next as char)),
+                };
+            }
+            on_reply(tag, &frame)?;
+        }
+        if server
+            .read_buf(&mut buf)
+            .await
+            .map_err(SessionError::ServerIo)?
+            == 0
+        {
+            return Err(SessionError::ServerIo(
+                std::io::ErrorKind::UnexpectedEof.into(),
+            ));
+        }
+    }
 }
 
 impl Session {
@@ -166,40 +179,11 @@ impl Session {
     async fn reset(&mut self, server: &mut Stream) -> Result<(), SessionError> {
         let mut out = BytesMut::new();
         crate::protocol::message::query(&mut out, b"DISCARD ALL");
-        server
-            .write_all(&out)
-            .await
-            .map_err(SessionError::ServerIo)?;
-        server.flush().await.map_err(SessionError::ServerIo)?;
-        let mut buf = BytesMut::with_capacity(1024);
-        loop {
-            while let Some((tag, len)) =
-                next_frame(&buf, SERVER_MAX_MESSAGE).map_err(SessionError::ServerFrame)?
-            {
-                let frame = buf.split_to(len);
-                match tag {
-                    b'S' => self.on_parameter_status(&frame)?,
-                    b'C' | b'N' => {}
-                    b'Z' if crate::protocol::message::ready_status(&frame) == b'I' => {
-                        return if buf.is_empty() {
-                            Ok(())
-                        } else {
-                            Err(SessionError::UnexpectedServerMessage(buf[0] as char))
-                        };
-                    }
-                    _ => return Err(SessionError::UnexpectedServerMessage(tag as char)),
-                }
-            }
-            if server
-                .read_buf(&mut buf)
-                .await
-                .map_err(SessionError::ServerIo)?
-                == 0
-            {
-                return Err(SessionError::ServerIo(
-                    std::io::ErrorKind::UnexpectedEof.into(),
-                ));
-            }
-        }
+        exchange(server, &out, |tag, frame| match tag {
+            b'S' => self.on_parameter_status(frame),
+            b'C' | b'N' => Ok(()),
+            _ => Err(SessionError::UnexpectedServerMessage(tag as char)),
+        })
+        .await
     }
 }
