@@ -397,6 +397,14 @@ fn install_reports_the_servers_error_and_follows_the_config_file() {
         "installed into postgres: {out:?}"
     );
 
+    // Objects through which reads may call the database's own functions are named once
+    // the schema is installed (with fence.skip_read_only on, the default); a database
+    // without them gets no warning.
+    cluster.psql(
+        APP_DB,
+        "CREATE FUNCTION cli_check(i int) RETURNS boolean LANGUAGE sql AS 'SELECT i > 0'; \
+         CREATE DOMAIN cli_positive AS int CHECK (cli_check(VALUE));",
+    );
     // --database wins over the file, and may be repeated.
     let out = pgfence(&[
         "install",
@@ -409,4 +417,15 @@ fn install_reports_the_servers_error_and_follows_the_config_file() {
     ]);
     assert!(out.success(), "{out:?}");
     assert!(installed(&cluster, "postgres"), "{out:?}");
+    let logs = format!("{}{}", out.stdout, out.stderr);
+    let warnings: Vec<&str> = logs
+        .lines()
+        .filter(|l| l.contains("reads may call this database's own functions"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "one warning, for {APP_DB}: {logs}");
+    eprintln!("{}", warnings[0]);
+    assert!(
+        warnings[0].contains(APP_DB) && warnings[0].contains("domain cli_positive"),
+        "{logs}"
+    );
 }
