@@ -1335,17 +1335,23 @@ async fn prepare_transaction_is_checked() {
     leader.assert_idle("after COMMIT PREPARED").await;
 }
 
+/// Table `table (tag text)` and procedure `<table>_proc(tag)`, which writes `<tag> 1`,
+/// commits, then writes `<tag> 2`.
+fn table_and_committing_procedure(table: &str) -> String {
+    format!(
+        "CREATE TABLE {table} (tag text);
+        CREATE PROCEDURE {table}_proc(tag text) LANGUAGE plpgsql AS $$
+        BEGIN
+            INSERT INTO {table} VALUES (tag || ' 1');
+            COMMIT;
+            INSERT INTO {table} VALUES (tag || ' 2');
+        END $$;"
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn non_transactional_statements_are_prechecked() {
-    let setup = "
-        CREATE TABLE nt (tag text);
-        CREATE PROCEDURE nt_proc(tag text) LANGUAGE plpgsql AS $$
-        BEGIN
-            INSERT INTO nt VALUES (tag || ' 1');
-            COMMIT;
-            INSERT INTO nt VALUES (tag || ' 2');
-        END $$;";
-    let fx = Fixture::start(setup, |_| {}).await;
+    let fx = Fixture::start(&table_and_committing_procedure("nt"), |_| {}).await;
     let r = "nontx";
     let leader = fx.leader(r, 34).await;
     leader.simple("CALL nt_proc('b')").await.unwrap();
@@ -1551,16 +1557,11 @@ async fn the_fast_path_reads_the_startup_token_postgres_uses() {
 /// Sync: the stale rows committed (found by an adversarial review, 2026-12-06).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_behind_an_execute_of_its_batch_is_checked_before_it_runs() {
-    let setup = "
-        CREATE TABLE cb (tag text);
-        CREATE PROCEDURE cb_proc(tag text) LANGUAGE plpgsql AS $$
-        BEGIN
-            INSERT INTO cb VALUES (tag || ' 1');
-            COMMIT;
-            INSERT INTO cb VALUES (tag || ' 2');
-        END $$;";
     // Without the fast path: it would stand in for the CALL's Execute of a token it knows.
-    let fx = Fixture::start(setup, |c| c.fence.fast_path = false).await;
+    let fx = Fixture::start(&table_and_committing_procedure("cb"), |c| {
+        c.fence.fast_path = false
+    })
+    .await;
     let r = "call_batch";
     let leader = fx.leader(r, 34).await;
     leader.simple("CALL cb_proc('leader')").await.unwrap();
