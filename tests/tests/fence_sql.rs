@@ -9,6 +9,8 @@
 //!   leader), under READ COMMITTED, REPEATABLE READ and SERIALIZABLE, with the check pipelined
 //!   with COMMIT as the proxy sends it; then the invariant checker over what was committed.
 //!   The same workload without the check must make the checker report violations.
+//! - [`the_read_audit_finds_each_way_a_read_calls_a_function`]: the schema audit behind
+//!   `fence.read_audit`, with and without its event trigger.
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -835,4 +837,142 @@ async fn concurrent_checker() {
         "the unchecked workload produced no violation: the checker is blind ({})",
         run.report
     );
+}
+
+/// `pgfence.reads_may_write()` and `pgfence.read_audit_objects()` (the proxy's read
+/// audit): each way the schema lets a read call a function of the database's own is found,
+/// the event trigger keeps the verdict as objects come and go, and without the trigger the
+/// function audits the catalog itself.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_read_audit_finds_each_way_a_read_calls_a_function() {
+    let cluster = PgCluster::start();
+    let client = fresh_database(&cluster, "audit").await;
+    client
+        .batch_execute(
+            "CREATE TABLE a_t (x int);
+             CREATE FUNCTION a_bool(i int) RETURNS boolean LANGUAGE sql AS 'SELECT i > 0';
+             CREATE FUNCTION a_add(a int, b int) RETURNS int LANGUAGE sql AS 'SELECT a + b';
+             CREATE FUNCTION a_cmp(a int, b int) RETURNS int LANGUAGE sql AS 'SELECT 0';
+             CREATE TYPE a_e AS ENUM ('x');
+             CREATE FUNCTION a_e_int(e a_e) RETURNS int LANGUAGE sql AS 'SELECT 1';
+             CREATE FUNCTION a_text(i int) RETURNS text LANGUAGE sql AS 'SELECT i::text';",
+        )
+        .await
+        .unwrap();
+    // Functions alone (called by name, which the classifier sees) are no way in.
+    assert_eq!(read_verdict(&client).await, (false, false, vec![]));
+    let ways = [
+        (
+            "CREATE VIEW a_v AS SELECT a_text(1) AS t",
+            "view public.a_v",
+            "DROP VIEW a_v",
+        ),
+        (
+            "CREATE VIEW a_lo AS SELECT pg_catalog.lo_create(0) AS o",
+            "view public.a_lo",
+            "DROP VIEW a_lo",
+        ),
+        (
+            "CREATE POLICY a_p ON a_t USING (a_bool(x))",
+            "row-level security policy a_p on public.a_t",
+            "DROP POLICY a_p ON a_t",
+        ),
+        (
+            "CREATE DOMAIN a_d AS int CHECK (a_bool(VALUE))",
+            "domain public.a_d",
+            "DROP DOMAIN a_d",
+        ),
+        (
+            "CREATE OPERATOR ### (FUNCTION = a_add, LEFTARG = int, RIGHTARG = int)",
+            "operator public.###(integer,integer)",
+            "DROP OPERATOR ### (int, int)",
+        ),
+        (
+            "CREATE CAST (a_e AS int) WITH FUNCTION a_e_int(a_e)",
+            "cast public.a_e AS integer",
+            "DROP CAST (a_e AS int)",
+        ),
+        (
+            "CREATE AGGREGATE a_sum(int) (SFUNC = a_add, STYPE = int)",
+            "aggregate public.a_sum(integer)",
+            "DROP AGGREGATE a_sum(int)",
+        ),
+        (
+            "CREATE OPERATOR CLASS a_ops FOR TYPE int USING btree AS
+                 OPERATOR 1 <, OPERATOR 3 =, FUNCTION 1 a_cmp(int, int)",
+            "operator family a_ops support function public.a_cmp(integer,integer)",
+            "DROP OPERATOR FAMILY a_ops USING btree",
+        ),
+        (
+            "CREATE FUNCTION a_full(r a_t) RETURNS int LANGUAGE sql AS 'SELECT 1'",
+            "function public.a_full(public.a_t) (callable as an attribute, t.a_full)",
+            "DROP FUNCTION a_full(a_t)",
+        ),
+        (
+            "CREATE FUNCTION public.upper(i int) RETURNS int LANGUAGE sql AS 'SELECT i'",
+            "function public.upper(integer) (a built-in's name)",
+            "DROP FUNCTION public.upper(int)",
+        ),
+    ];
+    for (create, object, drop) in ways {
+        client.batch_execute(create).await.unwrap();
+        assert_eq!(
+            read_verdict(&client).await,
+            (true, true, vec![object.to_string()]),
+            "after {create}"
+        );
+        client.batch_execute(drop).await.unwrap();
+        assert_eq!(
+            read_verdict(&client).await,
+            (false, false, vec![]),
+            "after {drop}"
+        );
+    }
+    // A DDL rolled back leaves the verdict as it was.
+    client
+        .batch_execute("BEGIN; CREATE VIEW a_v AS SELECT a_text(1) AS t; ROLLBACK")
+        .await
+        .unwrap();
+    assert_eq!(read_verdict(&client).await, (false, false, vec![]));
+    // Without the event trigger (it takes a superuser to create), the kept verdict may be
+    // stale, and the function audits the catalog instead.
+    client
+        .batch_execute(
+            "DROP EVENT TRIGGER pgfence_read_audit;
+             CREATE VIEW a_v AS SELECT a_text(1) AS t;",
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        read_verdict(&client).await,
+        (false, true, vec!["view public.a_v".to_string()])
+    );
+    // Installing again as a superuser brings the trigger back, and a fresh verdict.
+    client.batch_execute(&install_sql(None)).await.unwrap();
+    assert_eq!(
+        read_verdict(&client).await,
+        (true, true, vec!["view public.a_v".to_string()])
+    );
+}
+
+/// The kept verdict, `pgfence.reads_may_write()` and `pgfence.read_audit_objects()`.
+async fn read_verdict(client: &Client) -> (bool, bool, Vec<String>) {
+    let kept: bool = client
+        .query_one("SELECT reads_may_write FROM pgfence.read_audit", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let asked: bool = client
+        .query_one("SELECT pgfence.reads_may_write()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let objects: Vec<String> = client
+        .query("SELECT o FROM pgfence.read_audit_objects() AS o", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    (kept, asked, objects)
 }

@@ -598,24 +598,251 @@ $fast$;
 COMMENT ON FUNCTION pgfence.fast_reject(text, bigint, bigint) IS
     'Always raises FN001: used by the proxy fast path for statements known to carry a stale token.';
 
+-- Whether a read may write (README, "Reads that write through the schema"). The proxy skips
+-- the check of a transaction whose statements its classifier reads as reads, which holds
+-- only while the schema gives no such statement a way to run a function of the database's
+-- own. pgfence.read_audit_objects() lists the objects that do; the proxy asks
+-- pgfence.reads_may_write() when a client session starts, and checks every transaction of
+-- that session when it says true.
+
+-- Objects through which a statement the classifier takes for a read may call a function
+-- that is not a built-in (nor an extension's, nor pgfence's own), or a built-in that
+-- writes (large objects, transaction ids, the *_to_xml functions that run a query).
+CREATE OR REPLACE FUNCTION pgfence.read_audit_objects()
+RETURNS SETOF text
+LANGUAGE sql
+STABLE
+SET search_path = pg_catalog, pg_temp
+AS $objects$
+WITH user_fn AS (
+    SELECT p.oid FROM pg_catalog.pg_proc AS p
+    WHERE p.pronamespace NOT IN ('pg_catalog'::regnamespace, 'information_schema'::regnamespace,
+                                 'pgfence'::regnamespace)
+      AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_depend AS e
+                      WHERE e.classid = 'pg_catalog.pg_proc'::regclass AND e.objid = p.oid
+                        AND e.deptype = 'e')
+), writing_builtin AS (
+    SELECT p.oid FROM pg_catalog.pg_proc AS p
+    WHERE p.pronamespace = 'pg_catalog'::regnamespace
+      AND (p.proname LIKE 'lo\_%' OR p.proname IN ('loread', 'lowrite')
+           OR p.proname LIKE '%to\_xml%' OR p.proname IN ('txid_current', 'pg_current_xact_id'))
+), calls AS (
+    SELECT d.classid, d.objid FROM pg_catalog.pg_depend AS d
+    WHERE d.refclassid = 'pg_catalog.pg_proc'::regclass AND d.refobjid IN (SELECT oid FROM user_fn)
+), builtin_call AS (
+    -- pg_depend records no dependency on a built-in: the expression trees show the calls.
+    SELECT ':funcid (' || pg_catalog.string_agg(oid::text, '|') || ')\M' AS pattern
+    FROM writing_builtin
+)
+SELECT 'view ' || r.ev_class::regclass::text
+  FROM pg_catalog.pg_rewrite AS r JOIN pg_catalog.pg_class AS v ON v.oid = r.ev_class
+  WHERE r.oid IN (SELECT objid FROM calls WHERE classid = 'pg_catalog.pg_rewrite'::regclass)
+     OR (v.relnamespace NOT IN ('pg_catalog'::regnamespace, 'information_schema'::regnamespace)
+         AND r.ev_action::text ~ (SELECT pattern FROM builtin_call))
+UNION
+SELECT 'row-level security policy ' || pg_catalog.quote_ident(pol.polname) || ' on '
+       || pol.polrelid::regclass::text
+  FROM pg_catalog.pg_policy AS pol
+  WHERE pol.oid IN (SELECT objid FROM calls WHERE classid = 'pg_catalog.pg_policy'::regclass)
+     OR pol.polqual::text ~ (SELECT pattern FROM builtin_call)
+     OR pol.polwithcheck::text ~ (SELECT pattern FROM builtin_call)
+UNION
+SELECT 'domain ' || c.contypid::regtype::text
+  FROM pg_catalog.pg_constraint AS c
+  WHERE c.contypid <> 0
+    AND (c.oid IN (SELECT objid FROM calls WHERE classid = 'pg_catalog.pg_constraint'::regclass)
+         OR c.conbin::text ~ (SELECT pattern FROM builtin_call))
+UNION
+SELECT 'operator ' || o.oid::regoperator::text
+  FROM pg_catalog.pg_operator AS o
+  WHERE o.oprcode::oid IN (SELECT oid FROM user_fn)
+     OR o.oprrest::oid IN (SELECT oid FROM user_fn)
+     OR o.oprjoin::oid IN (SELECT oid FROM user_fn)
+UNION
+SELECT 'cast ' || pg_catalog.format_type(c.castsource, NULL) || ' AS '
+       || pg_catalog.format_type(c.casttarget, NULL)
+  FROM pg_catalog.pg_cast AS c WHERE c.castfunc IN (SELECT oid FROM user_fn)
+UNION
+SELECT 'aggregate ' || a.aggfnoid::regprocedure::text
+  FROM pg_catalog.pg_aggregate AS a WHERE a.aggfnoid::oid IN (SELECT oid FROM user_fn)
+UNION
+SELECT 'operator family ' || f.opfname || ' support function ' || ap.amproc::regprocedure::text
+  FROM pg_catalog.pg_amproc AS ap JOIN pg_catalog.pg_opfamily AS f ON f.oid = ap.amprocfamily
+  WHERE ap.amproc::oid IN (SELECT oid FROM user_fn)
+UNION
+SELECT 'type ' || t.oid::regtype::text
+  FROM pg_catalog.pg_type AS t
+  WHERE t.typinput::oid IN (SELECT oid FROM user_fn) OR t.typoutput::oid IN (SELECT oid FROM user_fn)
+     OR t.typreceive::oid IN (SELECT oid FROM user_fn) OR t.typsend::oid IN (SELECT oid FROM user_fn)
+     OR t.typmodin::oid IN (SELECT oid FROM user_fn) OR t.typmodout::oid IN (SELECT oid FROM user_fn)
+     OR t.typsubscript::oid IN (SELECT oid FROM user_fn)
+UNION
+SELECT 'conversion ' || c.conname
+  FROM pg_catalog.pg_conversion AS c WHERE c.conproc::oid IN (SELECT oid FROM user_fn)
+UNION
+SELECT 'text search parser ' || p.prsname
+  FROM pg_catalog.pg_ts_parser AS p
+  WHERE p.prsstart::oid IN (SELECT oid FROM user_fn) OR p.prstoken::oid IN (SELECT oid FROM user_fn)
+     OR p.prsend::oid IN (SELECT oid FROM user_fn) OR p.prsheadline::oid IN (SELECT oid FROM user_fn)
+     OR p.prslextype::oid IN (SELECT oid FROM user_fn)
+UNION
+SELECT 'text search template ' || t.tmplname
+  FROM pg_catalog.pg_ts_template AS t
+  WHERE t.tmplinit::oid IN (SELECT oid FROM user_fn) OR t.tmpllexize::oid IN (SELECT oid FROM user_fn)
+UNION
+SELECT 'access method ' || am.amname
+  FROM pg_catalog.pg_am AS am WHERE am.amhandler::oid IN (SELECT oid FROM user_fn)
+UNION
+SELECT 'foreign-data wrapper ' || w.fdwname
+  FROM pg_catalog.pg_foreign_data_wrapper AS w WHERE w.fdwhandler IN (SELECT oid FROM user_fn)
+UNION
+SELECT 'function ' || p.oid::regprocedure::text || ' (a built-in''s name)'
+  FROM pg_catalog.pg_proc AS p
+  WHERE p.oid IN (SELECT oid FROM user_fn)
+    AND EXISTS (SELECT 1 FROM pg_catalog.pg_proc AS b
+                WHERE b.proname = p.proname AND b.pronamespace = 'pg_catalog'::regnamespace)
+UNION
+SELECT 'function ' || p.oid::regprocedure::text || ' (callable as an attribute, t.'
+       || pg_catalog.quote_ident(p.proname) || ')'
+  FROM pg_catalog.pg_proc AS p JOIN pg_catalog.pg_type AS t ON t.oid = p.proargtypes[0]
+  WHERE p.oid IN (SELECT oid FROM user_fn)
+    AND p.pronargs >= 1 AND p.pronargs - p.pronargdefaults <= 1
+    AND t.typtype IN ('c', 'p')
+ORDER BY 1
+$objects$;
+
+COMMENT ON FUNCTION pgfence.read_audit_objects() IS
+    'pgfence: objects through which a statement the proxy takes for a read may call a function of this database''s own.';
+
+-- The verdict, kept by the event trigger below at the end of every command that may change
+-- it, so that a session start reads one row rather than auditing the catalog (a few
+-- milliseconds).
+CREATE TABLE IF NOT EXISTS pgfence.read_audit (
+    singleton       boolean     PRIMARY KEY DEFAULT true CHECK (singleton),
+    reads_may_write boolean     NOT NULL,
+    audited_at      timestamptz NOT NULL DEFAULT pg_catalog.now()
+);
+
+INSERT INTO pgfence.read_audit AS a (singleton, reads_may_write, audited_at)
+VALUES (true, EXISTS (SELECT 1 FROM pgfence.read_audit_objects()), pg_catalog.now())
+ON CONFLICT (singleton) DO UPDATE
+    SET reads_may_write = excluded.reads_may_write, audited_at = excluded.audited_at;
+
+-- Runs as the owner (the DDL's user may not write pgfence's tables). The row is locked
+-- before the audit, so the audit's snapshot is taken after a concurrent DDL transaction that
+-- updated it has committed (under READ COMMITTED; under the other levels that update makes
+-- this one fail with 40001, and the DDL with it).
+CREATE OR REPLACE FUNCTION pgfence.audit_reads_on_ddl()
+RETURNS event_trigger
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $audit$
+BEGIN
+    IF pg_catalog.to_regclass('pgfence.read_audit') IS NULL
+       OR pg_catalog.to_regprocedure('pgfence.read_audit_objects()') IS NULL THEN
+        RETURN;
+    END IF;
+    PERFORM 1 FROM pgfence.read_audit FOR UPDATE;
+    UPDATE pgfence.read_audit
+        SET reads_may_write = EXISTS (SELECT 1 FROM pgfence.read_audit_objects()),
+            audited_at = pg_catalog.now();
+END
+$audit$;
+
+-- Creating an event trigger takes a superuser. Without it pgfence.reads_may_write() audits
+-- the catalog at every call (correct, a few milliseconds per session start); `pgfence
+-- install` says so.
+DO $trigger$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = current_user AND rolsuper) THEN
+        RETURN;
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_event_trigger WHERE evtname = 'pgfence_read_audit') THEN
+        CREATE EVENT TRIGGER pgfence_read_audit ON ddl_command_end
+            WHEN TAG IN (
+                'CREATE ACCESS METHOD', 'DROP ACCESS METHOD',
+                'CREATE AGGREGATE', 'ALTER AGGREGATE', 'DROP AGGREGATE',
+                'CREATE CAST', 'DROP CAST',
+                'CREATE CONVERSION', 'ALTER CONVERSION', 'DROP CONVERSION',
+                'CREATE DOMAIN', 'ALTER DOMAIN', 'DROP DOMAIN',
+                'CREATE EXTENSION', 'ALTER EXTENSION', 'DROP EXTENSION',
+                'CREATE FOREIGN DATA WRAPPER', 'ALTER FOREIGN DATA WRAPPER',
+                'DROP FOREIGN DATA WRAPPER',
+                'CREATE FUNCTION', 'ALTER FUNCTION', 'DROP FUNCTION',
+                'CREATE PROCEDURE', 'ALTER PROCEDURE', 'DROP PROCEDURE',
+                'ALTER ROUTINE', 'DROP ROUTINE',
+                'CREATE OPERATOR', 'ALTER OPERATOR', 'DROP OPERATOR',
+                'CREATE OPERATOR CLASS', 'ALTER OPERATOR CLASS', 'DROP OPERATOR CLASS',
+                'CREATE OPERATOR FAMILY', 'ALTER OPERATOR FAMILY', 'DROP OPERATOR FAMILY',
+                'CREATE POLICY', 'ALTER POLICY', 'DROP POLICY',
+                'CREATE RULE', 'ALTER RULE', 'DROP RULE',
+                'CREATE SCHEMA', 'ALTER SCHEMA', 'DROP SCHEMA',
+                'CREATE TEXT SEARCH PARSER', 'ALTER TEXT SEARCH PARSER',
+                'DROP TEXT SEARCH PARSER',
+                'CREATE TEXT SEARCH TEMPLATE', 'ALTER TEXT SEARCH TEMPLATE',
+                'DROP TEXT SEARCH TEMPLATE',
+                'CREATE TYPE', 'ALTER TYPE', 'DROP TYPE',
+                'CREATE VIEW', 'ALTER VIEW', 'DROP VIEW',
+                'DROP TABLE', 'DROP OWNED')
+            EXECUTE FUNCTION pgfence.audit_reads_on_ddl();
+    END IF;
+    ALTER EVENT TRIGGER pgfence_read_audit ENABLE;
+END
+$trigger$;
+
+-- What the proxy asks when a client session starts: the kept verdict while the event trigger
+-- keeps it, else a fresh audit.
+CREATE OR REPLACE FUNCTION pgfence.reads_may_write()
+RETURNS boolean
+LANGUAGE plpgsql
+STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $reads$
+DECLARE
+    v_kept boolean;
+BEGIN
+    IF EXISTS (SELECT 1 FROM pg_catalog.pg_event_trigger AS t
+               WHERE t.evtname = 'pgfence_read_audit' AND t.evtenabled IN ('O', 'A')
+                 AND t.evtfoid = 'pgfence.audit_reads_on_ddl()'::regprocedure) THEN
+        SELECT a.reads_may_write INTO v_kept FROM pgfence.read_audit AS a;
+        IF FOUND THEN
+            RETURN v_kept;
+        END IF;
+    END IF;
+    RETURN EXISTS (SELECT 1 FROM pgfence.read_audit_objects());
+END
+$reads$;
+
+COMMENT ON FUNCTION pgfence.reads_may_write() IS
+    'pgfence: whether a statement the proxy takes for a read may call a function of this database''s own (the proxy then checks reads too).';
+
 -- Privileges: nobody but the owner writes; the grantee reads and calls the two entry points.
 REVOKE ALL ON SCHEMA pgfence FROM PUBLIC;
-REVOKE ALL ON TABLE pgfence.fences, pgfence.history, pgfence.schema_version FROM PUBLIC;
+REVOKE ALL ON TABLE pgfence.fences, pgfence.history, pgfence.schema_version, pgfence.read_audit
+    FROM PUBLIC;
 REVOKE ALL ON SEQUENCE pgfence.history_id_seq FROM PUBLIC;
 REVOKE ALL ON FUNCTION pgfence.check(text[], text[], text, text[], text, boolean),
     pgfence.check_write(text[], text[], text, text[], text, boolean),
                        pgfence.fast_reject(text, bigint, bigint),
                        pgfence.raise_stale(text, bigint, bigint),
                        pgfence.guard_fences(),
-                       pgfence.guard_history()
+                       pgfence.guard_history(),
+                       pgfence.audit_reads_on_ddl(),
+                       pgfence.reads_may_write(),
+                       pgfence.read_audit_objects()
     FROM PUBLIC;
 
 GRANT USAGE ON SCHEMA pgfence TO __PGFENCE_GRANTEE__;
 GRANT EXECUTE ON FUNCTION pgfence.check(text[], text[], text, text[], text, boolean),
     pgfence.check_write(text[], text[], text, text[], text, boolean),
-                          pgfence.fast_reject(text, bigint, bigint)
+                          pgfence.fast_reject(text, bigint, bigint),
+                          pgfence.reads_may_write(),
+                          pgfence.read_audit_objects()
     TO __PGFENCE_GRANTEE__;
-GRANT SELECT ON TABLE pgfence.fences, pgfence.history, pgfence.schema_version
+GRANT SELECT ON TABLE pgfence.fences, pgfence.history, pgfence.schema_version,
+    pgfence.read_audit
     TO __PGFENCE_GRANTEE__;
 
 COMMIT;
