@@ -345,9 +345,16 @@ pub struct Fence {
     /// Reject writes whose token is already known to be stale without sending them to the
     /// server (SPEC section 6). Default `true`.
     pub fast_path: bool,
-    /// Skip the check for transactions whose every statement provably cannot write
+    /// Skip the check for transactions whose every statement the classifier reads as a read
     /// (see fence-core's classifier). `false` checks every transaction. Default `true`.
     pub skip_read_only: bool,
+    /// With `skip_read_only`, skip reads' checks only in a database whose schema gives no
+    /// read a way to call a function of its own (a view, row-level security policy, domain,
+    /// operator, cast, ... through one): pgfence asks `pgfence.reads_may_write()` when a
+    /// client session starts, and checks every transaction of the session when it says
+    /// true. `false` trusts the classifier alone (a read that writes through such an object
+    /// then commits unchecked). Default `true`.
+    pub read_audit: bool,
     /// Create or upgrade schema `pgfence` in these databases when the proxy starts.
     /// Default: not set, do not install (run `pgfence install` instead).
     pub install: Option<InstallOnStart>,
@@ -368,6 +375,7 @@ impl Default for Fence {
             enabled: true,
             fast_path: true,
             skip_read_only: true,
+            read_audit: true,
             install: None,
             grant_to: None,
             on_missing_token: OnMissingToken::Reject,

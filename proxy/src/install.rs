@@ -113,7 +113,7 @@ pub async fn install_with(
         AcceptLock::Advisory
     };
     if config.fence.skip_read_only {
-        warn_of_reads_that_may_write(&client, database).await;
+        report_read_audit(&client, config, database).await;
     }
     drop(client);
     let _ = task.await;
@@ -127,79 +127,68 @@ pub async fn install_with(
     Ok(())
 }
 
-/// Objects through which a statement pgfence takes for a read may call a function of the
-/// database's own (not a built-in, not an extension's): views, row-level security
-/// policies and domain checks that call one, operators, casts and aggregates made of one,
-/// and functions that share a built-in's name (overloads, or shadows through
-/// `search_path`). With `fence.skip_read_only` such a read skips the check, so a stale
-/// session's write through it commits (README, known limitations). Not every object the
-/// classifier cannot see through is listed (operator classes, attribute notation).
-const READS_THAT_MAY_CALL_USER_FUNCTIONS: &str = "
-WITH user_fn AS (
-    SELECT p.oid FROM pg_catalog.pg_proc p
-    WHERE p.pronamespace NOT IN ('pg_catalog'::regnamespace, 'information_schema'::regnamespace)
-      AND p.pronamespace IS DISTINCT FROM pg_catalog.to_regnamespace('pgfence')::oid
-      AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_depend e
-                      WHERE e.classid = 'pg_proc'::regclass AND e.objid = p.oid
-                        AND e.deptype = 'e')
-), calls AS (
-    SELECT d.classid, d.objid FROM pg_catalog.pg_depend d
-    WHERE d.refclassid = 'pg_proc'::regclass AND d.refobjid IN (SELECT oid FROM user_fn)
-)
-SELECT 'view ' || r.ev_class::regclass::text
-  FROM pg_catalog.pg_rewrite r
-  WHERE (r.oid) IN (SELECT objid FROM calls WHERE classid = 'pg_rewrite'::regclass)
-UNION
-SELECT 'row-level security policy ' || pg_catalog.quote_ident(pol.polname) || ' on '
-       || pol.polrelid::regclass::text
-  FROM pg_catalog.pg_policy pol
-  WHERE pol.oid IN (SELECT objid FROM calls WHERE classid = 'pg_policy'::regclass)
-UNION
-SELECT 'domain ' || c.contypid::regtype::text
-  FROM pg_catalog.pg_constraint c
-  WHERE c.contypid <> 0
-    AND c.oid IN (SELECT objid FROM calls WHERE classid = 'pg_constraint'::regclass)
-UNION
-SELECT 'operator ' || o.oid::regoperator::text
-  FROM pg_catalog.pg_operator o WHERE o.oprcode::oid IN (SELECT oid FROM user_fn)
-UNION
-SELECT 'cast ' || pg_catalog.format_type(c.castsource, NULL) || ' AS '
-       || pg_catalog.format_type(c.casttarget, NULL)
-  FROM pg_catalog.pg_cast c WHERE c.castfunc IN (SELECT oid FROM user_fn)
-UNION
-SELECT 'aggregate ' || a.aggfnoid::regprocedure::text
-  FROM pg_catalog.pg_aggregate a WHERE a.aggfnoid::oid IN (SELECT oid FROM user_fn)
-UNION
-SELECT 'function ' || p.oid::regprocedure::text || ' (a built-in''s name)'
-  FROM pg_catalog.pg_proc p
-  WHERE p.oid IN (SELECT oid FROM user_fn)
-    AND EXISTS (SELECT 1 FROM pg_catalog.pg_proc b
-                WHERE b.proname = p.proname AND b.pronamespace = 'pg_catalog'::regnamespace)
-ORDER BY 1";
-
-/// Logs a WARN naming what [`READS_THAT_MAY_CALL_USER_FUNCTIONS`] finds in `database`
-/// (the first ten), for the operator to decide whether `fence.skip_read_only` may stay
-/// on. A failed look is only logged: the install itself succeeded.
-async fn warn_of_reads_that_may_write(client: &Client, database: &str) {
-    match client.query(READS_THAT_MAY_CALL_USER_FUNCTIONS, &[]).await {
-        Ok(rows) if rows.is_empty() => {}
-        Ok(rows) => {
-            let found: Vec<String> = rows.iter().take(10).map(|r| r.get(0)).collect();
+/// Says what the schema's read audit found in `database` (`pgfence.read_audit_objects()`,
+/// the first ten objects) while `fence.skip_read_only` is on: with `fence.read_audit` every
+/// transaction there is checked, reads too; without it a read that writes through one of
+/// them commits unchecked. Also warns when the event trigger that keeps the verdict could
+/// not be created (it takes a superuser). A failed look is only logged: the install itself
+/// succeeded.
+async fn report_read_audit(client: &Client, config: &Config, database: &str) {
+    let looked = async {
+        let objects = client
+            .query("SELECT o FROM pgfence.read_audit_objects() AS o", &[])
+            .await?;
+        let kept = client
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_event_trigger \
+                 WHERE evtname = 'pgfence_read_audit')",
+                &[],
+            )
+            .await?;
+        Ok::<_, tokio_postgres::Error>((objects, kept.get::<_, bool>(0)))
+    };
+    let (objects, kept) = match looked.await {
+        Ok(found) => found,
+        Err(e) => {
             warn!(
                 database,
-                objects = rows.len(),
+                error = %describe(&e),
+                "could not look for objects through which reads may write"
+            );
+            return;
+        }
+    };
+    if !objects.is_empty() {
+        let found: Vec<String> = objects.iter().take(10).map(|r| r.get(0)).collect();
+        if config.fence.read_audit {
+            warn!(
+                database,
+                objects = objects.len(),
+                first = %found.join("; "),
+                "reads may call this database's own functions through these objects, so \
+                 pgfence checks every transaction here, reads too (each pays the check); if \
+                 none of their functions writes, fence.read_audit = false skips reads again \
+                 (README, \"Reads that write through the schema\")"
+            );
+        } else {
+            warn!(
+                database,
+                objects = objects.len(),
                 first = %found.join("; "),
                 "reads may call this database's own functions through these objects: with \
-                 fence.skip_read_only = true (the default) a read that writes through one \
-                 is not checked, and a stale write commits; set fence.skip_read_only = \
-                 false unless none of their functions writes (README, known limitations)"
+                 fence.read_audit = false a read that writes through one is not checked, and \
+                 a stale write commits; set fence.read_audit = true unless none of their \
+                 functions writes (README, \"Reads that write through the schema\")"
             );
         }
-        Err(e) => warn!(
+    }
+    if !kept && config.fence.read_audit {
+        warn!(
             database,
-            error = %describe(&e),
-            "could not look for objects through which reads may write"
-        ),
+            "the event trigger pgfence_read_audit was not created (it takes a superuser): \
+             every session start audits the catalog instead (a few milliseconds of server \
+             time each); run `pgfence install` as a superuser to keep the verdict instead"
+        );
     }
 }
 

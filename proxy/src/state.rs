@@ -33,9 +33,16 @@ pub struct Shared {
     active: Arc<AtomicUsize>,
     /// Where the configuration was read from, for RELOAD and SIGHUP.
     source: Mutex<Option<Source>>,
-    /// Databases already logged as lacking schema pgfence.
-    schema_missing: Mutex<std::collections::HashSet<String>>,
+    /// What was already logged once per database: (what, database).
+    reported: Mutex<std::collections::HashSet<(&'static str, String)>>,
+    /// Databases where asking whether reads may write failed for want of the function
+    /// (schema pgfence missing or older than version 8), and when.
+    without_read_audit: Mutex<std::collections::HashMap<String, std::time::Instant>>,
 }
+
+/// How long sessions in a database found without `pgfence.reads_may_write()` skip the
+/// question (and reads skip the check as the classifier says).
+pub const READ_AUDIT_RETRY: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Counts a session as active while it lives.
 #[derive(Debug)]
@@ -69,17 +76,50 @@ impl Shared {
             next_client_id: AtomicU64::new(1),
             active: Arc::new(AtomicUsize::new(0)),
             source: Mutex::new(None),
-            schema_missing: Mutex::new(std::collections::HashSet::new()),
+            reported: Mutex::new(std::collections::HashSet::new()),
+            without_read_audit: Mutex::new(std::collections::HashMap::new()),
         })
     }
 
     /// Whether this is the first time `database` is found to lack schema pgfence (the
     /// caller logs it then).
     pub fn first_report_of_missing_schema(&self, database: &str) -> bool {
-        self.schema_missing
+        self.first_report("schema missing", database)
+    }
+
+    /// Whether this is the first time this process reports `what` of `database` (the
+    /// caller logs it then).
+    pub fn first_report(&self, what: &'static str, database: &str) -> bool {
+        self.reported
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(database.to_string())
+            .insert((what, database.to_string()))
+    }
+
+    /// Remembers that `database` has no `pgfence.reads_may_write()`: sessions there do not
+    /// ask for [`READ_AUDIT_RETRY`] (each question would log an error on the server).
+    pub fn note_without_read_audit(&self, database: &str) {
+        self.without_read_audit
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(database.to_string(), std::time::Instant::now());
+    }
+
+    /// Whether `database` was found without `pgfence.reads_may_write()` in the last
+    /// [`READ_AUDIT_RETRY`].
+    pub fn lately_without_read_audit(&self, database: &str) -> bool {
+        let mut map = self
+            .without_read_audit
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        match map.get(database) {
+            Some(at) if at.elapsed() < READ_AUDIT_RETRY => true,
+            Some(_) => {
+                map.remove(database);
+                false
+            }
+            None => false,
+        }
     }
 
     /// Remembers where the configuration comes from, so that it can be reloaded.

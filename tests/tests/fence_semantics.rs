@@ -18,6 +18,9 @@
 //!   `"analyze"`, a function with a column definition list after a comma, a 17 keyword
 //!   that is a function name on 15, `ORDER BY rollup(`: each is checked.
 //! - [`reads_do_not_pay`]: reads with a stale token are not rejected and cost no check.
+//! - [`reads_that_write_through_the_schema_are_checked`] and
+//!   [`the_read_audit_follows_the_schema`]: in a database whose schema lets a read call a
+//!   function of its own (a domain, an operator, an overload, a view), reads are checked.
 //! - [`missing_token_policy`]: FN002 for a resource that requires a token, a comment naming
 //!   another resource adds it to the default one (a session's own replaces it), `allow` lets
 //!   the write through, an unfenced session is not checked, a token without a resource is
@@ -1405,12 +1408,15 @@ async fn non_transactional_statements_are_prechecked() {
 }
 
 /// Reads whose writes only the schema shows: a domain's CHECK, a user-defined operator, a
-/// user function overloading a built-in name. The classifier takes each for a read, so
-/// with `fence.skip_read_only = true` (the default) a stale session's write commits: the
-/// limitation README states (found by a review, 2026-12-06). With `skip_read_only =
-/// false` every one is checked and rejected.
+/// user function overloading a built-in name. The classifier takes each for a read; a
+/// review found that with `fence.skip_read_only = true` (the default) a stale session's
+/// write through them committed (2026-12-06). Now the database's read audit
+/// (`pgfence.reads_may_write()`, asked at session start) says reads may write there, so
+/// the session checks every transaction and each is rejected. With `fence.read_audit =
+/// false` (the classifier alone) the stale writes commit, which shows the test can fail;
+/// with `skip_read_only = false` every one is checked too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn reads_that_write_through_the_schema_need_skip_read_only_off() {
+async fn reads_that_write_through_the_schema_are_checked() {
     let setup = "
         CREATE TABLE sw (tag text);
         CREATE FUNCTION sw_write(tag text) RETURNS boolean LANGUAGE plpgsql
@@ -1422,9 +1428,10 @@ async fn reads_that_write_through_the_schema_need_skip_read_only_off() {
         CREATE FUNCTION public.lower(i int) RETURNS int LANGUAGE plpgsql
             AS $$ BEGIN PERFORM sw_write('overload'); RETURN i; END $$;";
     let reads = ["SELECT 1::sw_d", "SELECT 1 ### 2", "SELECT lower(1)"];
-    for skip_read_only in [true, false] {
+    for (read_audit, skip_read_only) in [(true, true), (false, true), (false, false)] {
         let fx = Fixture::start(setup, |c| {
             c.fence.skip_read_only = skip_read_only;
+            c.fence.read_audit = read_audit;
             c.fence.fast_path = false;
         })
         .await;
@@ -1434,9 +1441,10 @@ async fn reads_that_write_through_the_schema_need_skip_read_only_off() {
             .simple("INSERT INTO sw VALUES ('leader')")
             .await
             .unwrap();
+        let unchecked = !read_audit && skip_read_only;
         let mut stale_session = fx.leader(r, 33).await;
         for sql in reads {
-            if skip_read_only {
+            if unchecked {
                 stale_session
                     .simple(sql)
                     .await
@@ -1445,14 +1453,112 @@ async fn reads_that_write_through_the_schema_need_skip_read_only_off() {
                 stale_session
                     .expect_rejection(Protocol::Simple, &[sql], &stale(r, 33, 34), sql)
                     .await;
+                stale_session
+                    .expect_rejection(Protocol::Extended, &[sql], &stale(r, 33, 34), sql)
+                    .await;
             }
         }
         let landed = fx.count("sw WHERE tag <> 'leader'").await;
         assert_eq!(
             landed,
-            if skip_read_only { 3 } else { 0 },
-            "skip_read_only = {skip_read_only}"
+            if unchecked { 3 } else { 0 },
+            "read_audit = {read_audit}, skip_read_only = {skip_read_only}"
         );
+    }
+}
+
+/// The read audit follows the schema: reads skip the check while it has no object through
+/// which a read calls a function of its own; a session that starts after a view calling a
+/// writer is created checks them (the stale one is rejected, nothing lands); once the view
+/// is dropped, reads skip the check again. On kept server connections (the answer comes
+/// with the refresh before the client's login) and on new ones (the login's ReadyForQuery
+/// waits for it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_read_audit_follows_the_schema() {
+    for reuse_servers in [true, false] {
+        let fx = Fixture::start(
+            "CREATE TABLE ra (tag text);
+             CREATE FUNCTION ra_write(tag text) RETURNS boolean LANGUAGE plpgsql
+                 AS $$ BEGIN INSERT INTO ra VALUES (tag); RETURN true; END $$;",
+            |c| {
+                c.admin.users = vec![SUPERUSER.into()];
+                c.pool.reuse_servers = reuse_servers;
+                c.fence.fast_path = false;
+            },
+        )
+        .await;
+        let r = "audited";
+        fx.leader(r, 34)
+            .await
+            .simple("INSERT INTO ra VALUES ('leader')")
+            .await
+            .unwrap();
+        let context = format!("reuse_servers = {reuse_servers}");
+        let reads_skip = |when: &'static str| {
+            let fx = &fx;
+            let context = &context;
+            async move {
+                let before = fx.checks_done().await;
+                let reader = fx.leader(r, 33).await;
+                reader.simple("SELECT count(*) FROM ra").await.unwrap();
+                reader
+                    .client
+                    .query("SELECT tag FROM ra", &[])
+                    .await
+                    .unwrap();
+                drop(reader);
+                assert_eq!(
+                    fx.checks_done().await,
+                    before,
+                    "{context}: {when}: reads made pgfence run the check"
+                );
+            }
+        };
+        reads_skip("before the view").await;
+        reads_skip("again, on a kept connection if any").await;
+        fx.direct
+            .batch_execute("CREATE VIEW ra_v AS SELECT ra_write('view') AS w")
+            .await
+            .unwrap();
+        for protocol in [Protocol::Simple, Protocol::Extended] {
+            let mut stale_session = fx.leader(r, 33).await;
+            stale_session
+                .expect_rejection(
+                    protocol,
+                    &["SELECT * FROM ra_v"],
+                    &stale(r, 33, 34),
+                    &context,
+                )
+                .await;
+        }
+        assert_eq!(fx.count("ra WHERE tag = 'view'").await, 0, "{context}");
+        // The current leader reads through it, and its write lands.
+        fx.leader(r, 34)
+            .await
+            .simple("SELECT * FROM ra_v")
+            .await
+            .unwrap();
+        assert_eq!(fx.count("ra WHERE tag = 'view'").await, 1, "{context}");
+        fx.direct.batch_execute("DROP VIEW ra_v").await.unwrap();
+        reads_skip("after the view was dropped").await;
+        if reuse_servers {
+            let admin = harness::connect_to(&fx.proxy.connstr("pgfence")).await;
+            let reused = admin
+                .simple_query("SHOW STATS")
+                .await
+                .unwrap()
+                .into_iter()
+                .find_map(|m| match m {
+                    SimpleQueryMessage::Row(row) if row.get(0) == Some("servers_reused") => {
+                        row.get(1).map(|v| v.parse::<u64>().unwrap())
+                    }
+                    _ => None,
+                });
+            assert!(
+                reused.unwrap() > 0,
+                "no session ran on a kept connection: the kept path was not tested"
+            );
+        }
     }
 }
 

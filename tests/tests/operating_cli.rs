@@ -425,7 +425,7 @@ fn install_reports_the_servers_error_and_follows_the_config_file() {
     assert_eq!(warnings.len(), 1, "one warning, for {APP_DB}: {logs}");
     eprintln!("{}", warnings[0]);
     assert!(
-        warnings[0].contains(APP_DB) && warnings[0].contains("domain cli_positive"),
+        warnings[0].contains(APP_DB) && warnings[0].contains("domain public.cli_positive"),
         "{logs}"
     );
 }

@@ -571,6 +571,64 @@ async fn a_database_without_the_schema_says_how_to_install_it() {
             .get::<_, i64>(0),
         0
     );
+    // The read audit's question failed once (an error in the server's log); later
+    // sessions do not ask again for a while.
+    for n in 0..3 {
+        let (client, _) = session(proxy.addr(), &format!("later {n}"), "").await;
+        client.simple_query("SELECT 1").await.expect("reads go on");
+    }
+    let asked = cluster
+        .server_log()
+        .matches("SELECT pgfence.reads_may_write()")
+        .count();
+    assert_eq!(asked, 1, "{}", cluster.server_log());
+}
+
+/// A schema older than version 8 (here: without `pgfence.reads_may_write()`) cannot say
+/// whether reads may write: one WARN per database names the SQLSTATE and the fix; reads
+/// skip the check as the classifier says, and writes are still fenced.
+#[tokio::test]
+async fn a_schema_without_the_read_audit_is_reported_once() {
+    let cluster = cluster_with_ledger().await;
+    let direct = cluster.connect(APP_DB).await;
+    direct
+        .batch_execute("DROP FUNCTION pgfence.reads_may_write()")
+        .await
+        .expect("drop the function");
+    let proxy = ProxyProcess::builder()
+        .config(config(&cluster))
+        .args(["--config", "{config}", "--log-format", "json"])
+        .env("RUST_LOG", "info")
+        .start();
+    for n in 0..3 {
+        let (client, _) = session(proxy.addr(), &format!("reader {n}"), "-c fencing.token=5").await;
+        client.simple_query("SELECT 1").await.expect("reads go on");
+        client
+            .batch_execute(&insert(n, "fenced"))
+            .await
+            .expect("a write with a token");
+    }
+    let (stale, _) = session(proxy.addr(), "stale", "-c fencing.token=4").await;
+    let result = stale.batch_execute(&insert(9, "stale")).await;
+    assert_eq!(sqlstate(&result).as_deref(), Some("FN001"), "{result:?}");
+    let logs = proxy.logs();
+    let warned: Vec<Event> = json_events(&logs)
+        .into_iter()
+        .filter(|e| level(e) == "WARN" && str_field(e, "database") == APP_DB)
+        .filter(|e| message(e).contains("cannot ask whether reads may write"))
+        .collect();
+    assert_eq!(warned.len(), 1, "one WARN for the database:\n{logs}");
+    assert_eq!(
+        str_field(&warned[0], "sqlstate"),
+        "42883",
+        "{:?}",
+        warned[0]
+    );
+    assert!(
+        message(&warned[0]).contains(&format!("run `pgfence install --database {APP_DB}`")),
+        "{:?}",
+        warned[0]
+    );
 }
 
 #[tokio::test]

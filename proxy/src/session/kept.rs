@@ -14,24 +14,32 @@ use crate::pool::{LoginReply, Parked, PoolKey, ServerInfo};
 use crate::protocol::next_frame;
 
 use super::{
-    tx, CommitCheck, CopyIn, Hold, Phase, Session, FAIL_WRITE_TIMEOUT, RESET_TIMEOUT,
+    read_audit, tx, CommitCheck, CopyIn, Hold, Phase, Session, FAIL_WRITE_TIMEOUT, RESET_TIMEOUT,
     SERVER_MAX_MESSAGE,
 };
 
-/// Asks a kept connection for a ReadyForQuery (a Sync) before a client gets it, within
-/// `timeout`. An idle backend reports what a configuration reload changed
-/// (`default_transaction_read_only`, `in_hot_standby` after a promotion, ...) only with its
-/// next ReadyForQuery: without this round trip the client's login would give the values of
-/// the last reset, and libpq's `target_session_attrs` could pick the wrong server. A
-/// connection the server ended meanwhile fails here, and the session makes a new one.
+/// Asks a kept connection for a ReadyForQuery before a client gets it, within `timeout`:
+/// with `ask_audit` by asking whether reads may write in its database ([`read_audit`],
+/// whose answer it returns), else with a Sync. An idle backend reports what a configuration
+/// reload changed (`default_transaction_read_only`, `in_hot_standby` after a promotion, ...)
+/// only with its next ReadyForQuery: without this round trip the client's login would give
+/// the values of the last reset, and libpq's `target_session_attrs` could pick the wrong
+/// server. A connection the server ended meanwhile fails here, and the session makes a new
+/// one.
 pub(super) async fn refresh_kept(
     server: &mut Stream,
     login: &mut LoginReply,
     timeout: std::time::Duration,
-) -> Result<(), SessionError> {
+    ask_audit: bool,
+) -> Result<Option<read_audit::Answer>, SessionError> {
     use crate::protocol::message as msg;
     let mut out = BytesMut::new();
-    msg::sync(&mut out);
+    let mut answer = read_audit::Answer::None;
+    if ask_audit {
+        msg::query(&mut out, read_audit::QUERY);
+    } else {
+        msg::sync(&mut out);
+    }
     let refresh = exchange(server, &out, |tag, frame| match tag {
         b'S' => {
             if let Some((name, _)) = msg::cstr(msg::body(frame)) {
@@ -40,13 +48,15 @@ pub(super) async fn refresh_kept(
             Ok(())
         }
         b'N' => Ok(()),
+        _ if ask_audit => answer.on_reply(tag, frame),
         _ => Err(SessionError::UnexpectedServerMessage(tag as char)),
     });
     crate::deadline::timeout(timeout, refresh)
         .await
         .unwrap_or(Err(SessionError::ServerIo(
             std::io::ErrorKind::TimedOut.into(),
-        )))
+        )))?;
+    Ok(ask_audit.then_some(answer))
 }
 
 /// Sends `request` on an idle server connection and hands every reply but the closing

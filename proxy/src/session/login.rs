@@ -78,6 +78,7 @@ impl Session {
                 msg::backend_key_data(&mut self.to_client, cpid, ckey);
                 tracing::Span::current().record("backend_pid", pid);
             }
+            b'Z' if self.read_audit_asked && !self.admin => self.ask_read_audit(frame),
             b'Z' => {
                 self.phase = if self.admin {
                     Phase::Admin

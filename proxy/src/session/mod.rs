@@ -17,6 +17,7 @@ mod kept;
 mod login;
 mod opening;
 mod query;
+mod read_audit;
 mod readable;
 pub mod replies;
 mod server;
@@ -169,6 +170,9 @@ pub(crate) enum CopyFromClient {
 enum Phase {
     /// Authentication messages are relayed until the first ReadyForQuery.
     Auth,
+    /// The login's ReadyForQuery is held while pgfence asks whether reads may write
+    /// ([`read_audit`]).
+    ReadAudit,
     /// Normal traffic.
     Ready,
     /// The admin console (virtual database `pgfence`).
@@ -391,10 +395,17 @@ async fn run_session(
             let login = p.login;
             Stream::from_std(p.stream).ok().map(|s| (s, born, login))
         });
+    // Sessions on a kept connection ask whether reads may write with its refresh.
+    let without_read_audit = shared.lately_without_read_audit(&startup.database());
+    let mut kept_audit = None;
     if let Some((server, _, login)) = &mut parked {
-        if let Err(e) = kept::refresh_kept(server, login, RESET_TIMEOUT).await {
-            debug!(error = %e, "a kept server connection failed its check: connecting anew");
-            parked = None;
+        let ask = config.fence.enabled && read_audit::asks(&config) && !without_read_audit;
+        match kept::refresh_kept(server, login, RESET_TIMEOUT, ask).await {
+            Ok(answer) => kept_audit = answer,
+            Err(e) => {
+                debug!(error = %e, "a kept server connection failed its check: connecting anew");
+                parked = None;
+            }
         }
     }
     let mut sbuf = BytesMut::with_capacity(READ_CHUNK);
@@ -454,6 +465,9 @@ async fn run_session(
         upstream_addr,
         stop.clone(),
     );
+    if without_read_audit {
+        session.forgo_read_audit();
+    }
     session.tls = tls;
     session.client_cn = client_cn;
     session.upstream_tls = upstream_tls;
@@ -465,6 +479,9 @@ async fn run_session(
         session.to_server.extend_from_slice(&packet);
     } else if let Some(login) = reused {
         debug!("reusing an idle server connection");
+        if let Some(answer) = kept_audit {
+            session.apply_read_audit(answer);
+        }
         session.replay_login(login)?;
     }
     cbuf.advance(packet_len);
@@ -607,6 +624,13 @@ pub(crate) struct Session {
     client_left_mid_message: bool,
     /// This session's stop, for `KILL_CLIENT` (registered with the client in `SHOW CLIENTS`).
     stop: Stop,
+    /// Whether reads may write in the database is still to be asked or answered
+    /// ([`read_audit`]); meanwhile every transaction is checked.
+    read_audit_asked: bool,
+    /// The answer so far, while [`Phase::ReadAudit`].
+    read_audit_answer: read_audit::Answer,
+    /// The login's ReadyForQuery, held while [`Phase::ReadAudit`].
+    read_audit_ready: Vec<u8>,
 }
 
 impl Session {
@@ -623,9 +647,10 @@ impl Session {
         let database = startup.database();
         let application_name = startup.param_str("application_name").unwrap_or_default();
         let fence = FenceSettings::new(&config, startup, &database, &user, peer);
+        let read_audit_asked = fence.enabled && read_audit::asks(&config);
         Session {
             max_message: config.limits.max_message_size,
-            tx: TxState::new(!config.fence.skip_read_only),
+            tx: TxState::new(!config.fence.skip_read_only || read_audit_asked),
             shared,
             id,
             phase: Phase::Auth,
@@ -676,6 +701,9 @@ impl Session {
             plus_hidden: false,
             client_left_mid_message: false,
             stop,
+            read_audit_asked,
+            read_audit_answer: read_audit::Answer::None,
+            read_audit_ready: Vec::new(),
         }
     }
 
@@ -926,7 +954,7 @@ impl Session {
         {
             let frame = &buf[at..at + len];
             flow = match self.phase {
-                Phase::Auth => self.on_auth_client_frame(tag, frame)?,
+                Phase::Auth | Phase::ReadAudit => self.on_auth_client_frame(tag, frame)?,
                 Phase::Ready => self.on_client_frame(tag, frame)?,
                 Phase::Admin => self.on_admin_frame(tag, frame)?,
             };
@@ -964,6 +992,7 @@ impl Session {
             }
             match self.phase {
                 Phase::Auth => self.on_auth_server_frame(tag, frame)?,
+                Phase::ReadAudit => self.on_read_audit_frame(tag, frame)?,
                 Phase::Ready => self.on_server_frame(tag, frame)?,
                 // Only SHOW FENCES asks the server.
                 Phase::Admin => self.on_console_server_frame(tag, frame),

@@ -1,0 +1,151 @@
+//! Whether the session's database lets a read write (`fence.read_audit`).
+//!
+//! The classifier reads text: a statement it takes for a read may still write through the
+//! schema (a view, row-level security policy, domain, operator, cast, ... that calls a
+//! function of the database's own). When a client session starts, pgfence asks
+//! `pgfence.reads_may_write()` (schema version 8; an event trigger keeps its verdict
+//! current) and skips reads' checks only when the answer is false. Until the answer comes
+//! every transaction is checked; the client gets its login's ReadyForQuery only after it,
+//! so in practice no transaction runs before it.
+//!
+//! Where the question fails (a schema older than version 8, or none: writes fail there
+//! anyway; no EXECUTE on the function), reads are skipped as the classifier says, as before
+//! version 8, and a WARN says so once per database. A database without the function is
+//! not asked again for a minute (`state::READ_AUDIT_RETRY`): each question would log an
+//! error on the server.
+
+use tracing::{info, warn};
+
+use crate::error::SessionError;
+use crate::protocol::message as msg;
+
+use super::{Phase, Session};
+
+/// Whether sessions under `config` ask the question (those with the fence on).
+pub(super) fn asks(config: &pgfence_config::Config) -> bool {
+    config.fence.skip_read_only && config.fence.read_audit
+}
+
+/// The question, as a simple Query.
+pub(super) const QUERY: &[u8] = b"SELECT pgfence.reads_may_write()";
+
+/// The answer to [`QUERY`], as its replies arrive.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(super) enum Answer {
+    /// No reply with a value (yet).
+    #[default]
+    None,
+    /// The function's result (NULL counts as true).
+    MayWrite(bool),
+    /// The server's error: SQLSTATE and message.
+    Failed(String, String),
+}
+
+impl Answer {
+    /// Takes one reply to [`QUERY`] before its ReadyForQuery; refuses anything a Query
+    /// returning one row of one column does not send. (Notices and ParameterStatus are the
+    /// caller's.)
+    pub(super) fn on_reply(&mut self, tag: u8, frame: &[u8]) -> Result<(), SessionError> {
+        match tag {
+            b'T' | b'C' => {}
+            b'D' => *self = Answer::MayWrite(msg::first_column(frame) != Some(b"f")),
+            b'E' => {
+                let fields = msg::error_fields(frame);
+                *self = Answer::Failed(
+                    String::from_utf8_lossy(fields.code).into_owned(),
+                    String::from_utf8_lossy(fields.message).into_owned(),
+                );
+            }
+            _ => return Err(SessionError::UnexpectedServerMessage(tag as char)),
+        }
+        Ok(())
+    }
+}
+
+impl Session {
+    /// Puts the answer in force: checks reads unless the database said they cannot write.
+    pub(super) fn apply_read_audit(&mut self, answer: Answer) {
+        self.read_audit_asked = false;
+        match answer {
+            Answer::MayWrite(false) => self.tx.check_reads = false,
+            Answer::MayWrite(true) | Answer::None => {
+                self.tx.check_reads = true;
+                if self.shared.first_report("reads may write", &self.database) {
+                    info!(
+                        database = %self.database,
+                        "every transaction is checked in this database, reads too: its schema \
+                         lets a read call a function of its own (SELECT * FROM \
+                         pgfence.read_audit_objects() lists the objects)"
+                    );
+                }
+            }
+            Answer::Failed(code, message) => {
+                self.tx.check_reads = false;
+                if code == "3F000" || code == "42883" {
+                    self.shared.note_without_read_audit(&self.database);
+                }
+                // Without schema pgfence at all, writes fail and say so (`schema_missing`).
+                if code != "3F000"
+                    && self
+                        .shared
+                        .first_report("read audit failed", &self.database)
+                {
+                    warn!(
+                        database = %self.database,
+                        sqlstate = %code,
+                        error = %message,
+                        "cannot ask whether reads may write in this database: reads skip the \
+                         check as the classifier says, and one that writes through the schema \
+                         commits unchecked; run `pgfence install --database {}` (schema \
+                         version 8 or later) and grant EXECUTE on its functions",
+                        self.database
+                    );
+                }
+            }
+        }
+    }
+
+    /// Does not ask (the database was lately found without the function): reads skip the
+    /// check as the classifier says.
+    pub(super) fn forgo_read_audit(&mut self) {
+        if self.read_audit_asked {
+            self.read_audit_asked = false;
+            self.tx.check_reads = false;
+        }
+    }
+
+    /// The server's ReadyForQuery ended the login: asks the question, holding that
+    /// ReadyForQuery back until the answer is in.
+    pub(super) fn ask_read_audit(&mut self, ready: &[u8]) {
+        msg::query(&mut self.to_server, QUERY);
+        self.read_audit_ready = ready.to_vec();
+        self.phase = Phase::ReadAudit;
+    }
+
+    /// A reply to the question asked at login.
+    pub(super) fn on_read_audit_frame(
+        &mut self,
+        tag: u8,
+        frame: &[u8],
+    ) -> Result<(), SessionError> {
+        match tag {
+            b'N' => self.to_client.extend_from_slice(frame),
+            b'S' => {
+                self.on_parameter_status(frame)?;
+                self.to_client.extend_from_slice(frame);
+            }
+            b'Z' => {
+                if msg::ready_status(frame) != b'I' {
+                    return Err(SessionError::UnexpectedServerMessage('Z'));
+                }
+                let answer = std::mem::take(&mut self.read_audit_answer);
+                self.apply_read_audit(answer);
+                let ready = std::mem::take(&mut self.read_audit_ready);
+                self.phase = Phase::Auth;
+                self.on_auth_server_frame(b'Z', &ready)?;
+            }
+            _ => self.read_audit_answer.on_reply(tag, frame)?,
+        }
+        Ok(())
+    }
+}
