@@ -610,10 +610,14 @@ COMMENT ON FUNCTION pgfence.fast_reject(text, bigint, bigint) IS
 -- writes (large objects, transaction ids, the *_to_xml functions that run a query).
 CREATE OR REPLACE FUNCTION pgfence.read_audit_objects()
 RETURNS SETOF text
-LANGUAGE sql
+LANGUAGE plpgsql
 STABLE
 SET search_path = pg_catalog, pg_temp
 AS $objects$
+BEGIN
+-- PL/pgSQL rather than SQL: the plan is kept for the session (planning it takes longer than
+-- running it), so the event trigger pays it once per session that runs DDL.
+RETURN QUERY
 WITH user_fn AS (
     SELECT p.oid FROM pg_catalog.pg_proc AS p
     WHERE p.pronamespace NOT IN ('pg_catalog'::regnamespace, 'information_schema'::regnamespace,
@@ -624,21 +628,27 @@ WITH user_fn AS (
 ), writing_builtin AS (
     SELECT p.oid FROM pg_catalog.pg_proc AS p
     WHERE p.pronamespace = 'pg_catalog'::regnamespace
-      AND (p.proname LIKE 'lo\_%' OR p.proname IN ('loread', 'lowrite')
-           OR p.proname LIKE '%to\_xml%' OR p.proname IN ('txid_current', 'pg_current_xact_id'))
+      AND p.proname IN ('lo_creat', 'lo_create', 'lo_import', 'lo_unlink', 'lo_put',
+                        'lo_from_bytea', 'lo_truncate', 'lo_truncate64', 'lowrite',
+                        'txid_current', 'pg_current_xact_id', 'query_to_xml',
+                        'query_to_xmlschema', 'query_to_xml_and_xmlschema')
 ), calls AS (
     SELECT d.classid, d.objid FROM pg_catalog.pg_depend AS d
     WHERE d.refclassid = 'pg_catalog.pg_proc'::regclass AND d.refobjid IN (SELECT oid FROM user_fn)
+), user_rule AS MATERIALIZED (
+    -- Not the system views' rules: turning their trees into text takes tens of milliseconds.
+    SELECT r.oid, r.ev_class, r.ev_action
+    FROM pg_catalog.pg_rewrite AS r JOIN pg_catalog.pg_class AS v ON v.oid = r.ev_class
+    WHERE v.relnamespace NOT IN ('pg_catalog'::regnamespace, 'information_schema'::regnamespace)
 ), builtin_call AS (
     -- pg_depend records no dependency on a built-in: the expression trees show the calls.
     SELECT ':funcid (' || pg_catalog.string_agg(oid::text, '|') || ')\M' AS pattern
     FROM writing_builtin
 )
 SELECT 'view ' || r.ev_class::regclass::text
-  FROM pg_catalog.pg_rewrite AS r JOIN pg_catalog.pg_class AS v ON v.oid = r.ev_class
+  FROM user_rule AS r
   WHERE r.oid IN (SELECT objid FROM calls WHERE classid = 'pg_catalog.pg_rewrite'::regclass)
-     OR (v.relnamespace NOT IN ('pg_catalog'::regnamespace, 'information_schema'::regnamespace)
-         AND r.ev_action::text ~ (SELECT pattern FROM builtin_call))
+     OR r.ev_action::text ~ (SELECT pattern FROM builtin_call)
 UNION
 SELECT 'row-level security policy ' || pg_catalog.quote_ident(pol.polname) || ' on '
        || pol.polrelid::regclass::text
@@ -708,7 +718,8 @@ SELECT 'function ' || p.oid::regprocedure::text || ' (callable as an attribute, 
   WHERE p.oid IN (SELECT oid FROM user_fn)
     AND p.pronargs >= 1 AND p.pronargs - p.pronargdefaults <= 1
     AND t.typtype IN ('c', 'p')
-ORDER BY 1
+ORDER BY 1;
+END
 $objects$;
 
 COMMENT ON FUNCTION pgfence.read_audit_objects() IS
