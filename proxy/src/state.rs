@@ -2,7 +2,7 @@
 //! routing, the fences seen so far (for the fast path), recent rejections and counters.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::SystemTime;
 
@@ -35,14 +35,30 @@ pub struct Shared {
     source: Mutex<Option<Source>>,
     /// What was already logged once per database: (what, database).
     reported: Mutex<std::collections::HashSet<(&'static str, String)>>,
-    /// Databases where asking whether reads may write failed for want of the function
-    /// (schema pgfence missing or older than version 8), and when.
-    without_read_audit: Mutex<std::collections::HashMap<String, std::time::Instant>>,
+    /// What sessions learnt of each database from `pgfence.reads_may_write()`, and when.
+    read_audit: Mutex<std::collections::HashMap<String, (std::time::Instant, ReadAuditKnown)>>,
+    /// Some database in `read_audit` is known to lack the function.
+    read_audit_missing: AtomicBool,
 }
 
 /// How long sessions in a database found without `pgfence.reads_may_write()` skip the
-/// question (and reads skip the check as the classifier says).
+/// question (and reads skip the check as the classifier says), unless a check runs there
+/// first: each question would log an error on the server.
 pub const READ_AUDIT_RETRY: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// How long sessions starting in a database take another session's answer of
+/// `pgfence.reads_may_write()` rather than asking (a client that connects for each
+/// transaction would otherwise pay the question each time).
+pub const READ_AUDIT_REUSE: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// What is known of a database's `pgfence.reads_may_write()`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadAuditKnown {
+    /// Its answer.
+    MayWrite(bool),
+    /// The function (or schema pgfence) is missing.
+    NoFunction,
+}
 
 /// Counts a session as active while it lives.
 #[derive(Debug)]
@@ -77,7 +93,8 @@ impl Shared {
             active: Arc::new(AtomicUsize::new(0)),
             source: Mutex::new(None),
             reported: Mutex::new(std::collections::HashSet::new()),
-            without_read_audit: Mutex::new(std::collections::HashMap::new()),
+            read_audit: Mutex::new(std::collections::HashMap::new()),
+            read_audit_missing: AtomicBool::new(false),
         })
     }
 
@@ -96,29 +113,57 @@ impl Shared {
             .insert((what, database.to_string()))
     }
 
-    /// Remembers that `database` has no `pgfence.reads_may_write()`: sessions there do not
-    /// ask for [`READ_AUDIT_RETRY`] (each question would log an error on the server).
-    pub fn note_without_read_audit(&self, database: &str) {
-        self.without_read_audit
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(database.to_string(), std::time::Instant::now());
-    }
-
-    /// Whether `database` was found without `pgfence.reads_may_write()` in the last
-    /// [`READ_AUDIT_RETRY`].
-    pub fn lately_without_read_audit(&self, database: &str) -> bool {
-        let mut map = self
-            .without_read_audit
+    /// What a session starting now may take as the answer of `pgfence.reads_may_write()`
+    /// in `database`, without asking: an answer given less than [`READ_AUDIT_REUSE`] ago,
+    /// or the lack of the function found less than [`READ_AUDIT_RETRY`] ago.
+    pub fn known_read_audit(&self, database: &str) -> Option<ReadAuditKnown> {
+        let map = self
+            .read_audit
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        match map.get(database) {
-            Some(at) if at.elapsed() < READ_AUDIT_RETRY => true,
-            Some(_) => {
-                map.remove(database);
-                false
-            }
-            None => false,
+        let &(at, known) = map.get(database)?;
+        let fresh_for = match known {
+            ReadAuditKnown::MayWrite(_) => READ_AUDIT_REUSE,
+            ReadAuditKnown::NoFunction => READ_AUDIT_RETRY,
+        };
+        (at.elapsed() < fresh_for).then_some(known)
+    }
+
+    /// Remembers what a session learnt of `database`.
+    pub fn learn_read_audit(&self, database: &str, known: ReadAuditKnown) {
+        if known == ReadAuditKnown::NoFunction {
+            self.read_audit_missing.store(true, Ordering::Relaxed);
+        }
+        self.read_audit
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(database.to_string(), (std::time::Instant::now(), known));
+    }
+
+    /// A check ran in `database`, so schema pgfence is there now: a lack of
+    /// `pgfence.reads_may_write()` found earlier is asked about again at the next session
+    /// start (one relaxed load unless some database was found without it).
+    #[inline]
+    pub fn check_ran(&self, database: &str) {
+        if self.read_audit_missing.load(Ordering::Relaxed) {
+            self.forget_missing_read_audit(database);
+        }
+    }
+
+    #[cold]
+    fn forget_missing_read_audit(&self, database: &str) {
+        let mut map = self
+            .read_audit
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if map
+            .get(database)
+            .is_some_and(|(_, known)| *known == ReadAuditKnown::NoFunction)
+        {
+            map.remove(database);
+        }
+        if !map.values().any(|(_, k)| *k == ReadAuditKnown::NoFunction) {
+            self.read_audit_missing.store(false, Ordering::Relaxed);
         }
     }
 

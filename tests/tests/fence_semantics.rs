@@ -285,7 +285,9 @@ const PROTOCOLS: [Protocol; 2] = [Protocol::Simple, Protocol::Extended];
 
 const HIDDEN_SETUP: &str = "
 CREATE TABLE hw (tag text);
-CREATE FUNCTION hw_write(tag text) RETURNS int LANGUAGE plpgsql
+-- Two arguments: with one, attribute notation could call it, and the read audit would
+-- have every read checked.
+CREATE FUNCTION hw_write(tag text, n int) RETURNS int LANGUAGE plpgsql
     AS $$ BEGIN INSERT INTO hw VALUES (tag); RETURN 1; END $$;
 -- A BEFORE trigger that writes elsewhere and skips the row: the INSERT reports 0 rows.
 CREATE TABLE hw_src (tag text);
@@ -297,7 +299,7 @@ CREATE TRIGGER hw_divert BEFORE INSERT ON hw_src FOR EACH ROW EXECUTE FUNCTION h
 /// The hidden writes, each writing the row `tag` into `hw`.
 fn hidden_writes(tag: &str) -> [(&'static str, String); 4] {
     [
-        ("function", format!("SELECT hw_write('{tag}')")),
+        ("function", format!("SELECT hw_write('{tag}', 1)")),
         (
             "DO block",
             format!("DO $$ BEGIN INSERT INTO hw VALUES ('{tag}'); END $$"),
@@ -318,7 +320,7 @@ async fn hidden_writes_are_fenced() {
     let r = "hidden";
     fx.leader(r, 34)
         .await
-        .simple("SELECT hw_write('b')")
+        .simple("SELECT hw_write('b', 1)")
         .await
         .unwrap();
     assert_eq!(fx.fence(r).await, Some(34));
@@ -395,7 +397,7 @@ async fn a_cursor_with_hold_is_checked_for_what_it_writes_at_commit() {
         .unwrap();
     let declare = |tag: &str| {
         format!(
-            "DECLARE c CURSOR WITH HOLD FOR SELECT hw_write('{tag}') FROM generate_series(1, 3)"
+            "DECLARE c CURSOR WITH HOLD FOR SELECT hw_write('{tag}', 1) FROM generate_series(1, 3)"
         )
     };
 
@@ -635,7 +637,7 @@ async fn reads_do_not_pay() {
     let r = "reads";
     fx.leader(r, 34)
         .await
-        .simple("SELECT hw_write('b')")
+        .simple("SELECT hw_write('b', 1)")
         .await
         .unwrap();
     let stale_reader = fx.leader(r, 33).await;
@@ -672,7 +674,7 @@ async fn reads_do_not_pay() {
     );
     // A write does (the counter is not blind).
     let writer = fx.leader(r, 34).await;
-    writer.simple("SELECT hw_write('w')").await.unwrap();
+    writer.simple("SELECT hw_write('w', 1)").await.unwrap();
     assert!(fx.checks_done().await > before);
 }
 
@@ -1470,7 +1472,8 @@ async fn reads_that_write_through_the_schema_are_checked() {
 /// The read audit follows the schema: reads skip the check while it has no object through
 /// which a read calls a function of its own; a session that starts after a view calling a
 /// writer is created checks them (the stale one is rejected, nothing lands); once the view
-/// is dropped, reads skip the check again. On kept server connections (the answer comes
+/// is dropped, reads skip the check again (each a second after the DDL: sessions take
+/// another session's answer for that long). On kept server connections (the answer comes
 /// with the refresh before the client's login) and on new ones (the login's ReadyForQuery
 /// waits for it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1478,7 +1481,7 @@ async fn the_read_audit_follows_the_schema() {
     for reuse_servers in [true, false] {
         let fx = Fixture::start(
             "CREATE TABLE ra (tag text);
-             CREATE FUNCTION ra_write(tag text) RETURNS boolean LANGUAGE plpgsql
+             CREATE FUNCTION ra_write(tag text, n int) RETURNS boolean LANGUAGE plpgsql
                  AS $$ BEGIN INSERT INTO ra VALUES (tag); RETURN true; END $$;",
             |c| {
                 c.admin.users = vec![SUPERUSER.into()];
@@ -1517,9 +1520,11 @@ async fn the_read_audit_follows_the_schema() {
         reads_skip("before the view").await;
         reads_skip("again, on a kept connection if any").await;
         fx.direct
-            .batch_execute("CREATE VIEW ra_v AS SELECT ra_write('view') AS w")
+            .batch_execute("CREATE VIEW ra_v AS SELECT ra_write('view', 0) AS w")
             .await
             .unwrap();
+        // Sessions take another session's answer for a second.
+        tokio::time::sleep(Duration::from_millis(1200)).await;
         for protocol in [Protocol::Simple, Protocol::Extended] {
             let mut stale_session = fx.leader(r, 33).await;
             stale_session
@@ -1540,6 +1545,7 @@ async fn the_read_audit_follows_the_schema() {
             .unwrap();
         assert_eq!(fx.count("ra WHERE tag = 'view'").await, 1, "{context}");
         fx.direct.batch_execute("DROP VIEW ra_v").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(1200)).await;
         reads_skip("after the view was dropped").await;
         if reuse_servers {
             let admin = harness::connect_to(&fx.proxy.connstr("pgfence")).await;
@@ -1559,6 +1565,84 @@ async fn the_read_audit_follows_the_schema() {
                 "no session ran on a kept connection: the kept path was not tested"
             );
         }
+    }
+}
+
+/// What the read audit's question does at a login, on a new server connection: the
+/// client's Query sent right behind its startup packet (before the login's ReadyForQuery)
+/// waits for the answer and runs, as on PostgreSQL (pgfence once ended the session with
+/// 08P01, found by a review, 2026-12-07); and the question's own notices (a
+/// `log_statement` echo) are not the client's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_read_audit_is_invisible_at_login() {
+    let fx = Fixture::start("", |c| c.pool.reuse_servers = false).await;
+    let mut conn = RawConn::connect(fx.proxy.addr());
+    let mut first = wire::startup_version(
+        wire::PROTOCOL_3_0,
+        &[
+            ("user", SUPERUSER.as_bytes()),
+            ("database", APP_DB.as_bytes()),
+            (
+                "options",
+                b"-c client_min_messages=log -c log_statement=all",
+            ),
+        ],
+    );
+    first.extend_from_slice(&wire::query("SELECT 42"));
+    conn.send(&first);
+    let login = conn.until_ready();
+    let answer = conn.until_ready();
+    for m in login.iter().chain(&answer) {
+        assert!(
+            m.tag != b'N'
+                || !m
+                    .field(b'M')
+                    .unwrap_or_default()
+                    .contains("reads_may_write"),
+            "the question's notice reached the client: {:?}",
+            m.fields()
+        );
+        assert_ne!(m.tag, b'E', "{:?}", m.fields());
+    }
+    let rows: Vec<_> = answer.iter().filter_map(Msg::data_row).collect();
+    assert_eq!(rows, vec![vec![Some(b"42".to_vec())]], "{answer:?}");
+}
+
+/// A question the database does not answer (here: `pgfence.read_audit` locked, which
+/// makes `pgfence.reads_may_write()` give up after its lock timeout of a second) leaves the
+/// answer unknown, and the session checks its reads, on a new server connection and on a
+/// kept one. pgfence once skipped them (as for a schema without the function), so a
+/// `statement_timeout` in the startup options let a stale read that writes through a
+/// view commit (found by two reviews, 2026-12-07).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unanswered_read_audit_checks_reads() {
+    for reuse_servers in [false, true] {
+        let fx = Fixture::start("CREATE TABLE ua (tag text);", |c| {
+            c.admin.users = vec![SUPERUSER.into()];
+            c.pool.reuse_servers = reuse_servers;
+        })
+        .await;
+        let r = "unanswered";
+        // Leaves a kept connection for the reader's startup packet, when kept.
+        let reader = fx.leader(r, 33).await;
+        reader.simple("SELECT 1").await.unwrap();
+        drop(reader);
+        // Another session's answer is taken for a second: let it age.
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        let locker = fx.cluster.connect(APP_DB).await;
+        locker
+            .batch_execute("BEGIN; LOCK TABLE pgfence.read_audit IN ACCESS EXCLUSIVE MODE")
+            .await
+            .unwrap();
+        let before = fx.checks_done().await;
+        let reader = fx.leader(r, 33).await;
+        reader.simple("SELECT count(*) FROM ua").await.unwrap();
+        assert!(
+            fx.checks_done().await > before,
+            "reuse_servers = {reuse_servers}: a session whose question went unanswered \
+             skipped its read's check"
+        );
+        locker.batch_execute("COMMIT").await.unwrap();
     }
 }
 

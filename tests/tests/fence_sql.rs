@@ -850,20 +850,25 @@ async fn the_read_audit_finds_each_way_a_read_calls_a_function() {
     client
         .batch_execute(
             "CREATE TABLE a_t (x int);
-             CREATE FUNCTION a_bool(i int) RETURNS boolean LANGUAGE sql AS 'SELECT i > 0';
+             CREATE FUNCTION a_bool(i int, j int) RETURNS boolean LANGUAGE sql AS 'SELECT i > j';
              CREATE FUNCTION a_add(a int, b int) RETURNS int LANGUAGE sql AS 'SELECT a + b';
              CREATE FUNCTION a_cmp(a int, b int) RETURNS int LANGUAGE sql AS 'SELECT 0';
+             CREATE FUNCTION a_imm(a int, b int) RETURNS int LANGUAGE sql IMMUTABLE AS 'SELECT a';
              CREATE TYPE a_e AS ENUM ('x');
-             CREATE FUNCTION a_e_int(e a_e) RETURNS int LANGUAGE sql AS 'SELECT 1';
-             CREATE FUNCTION a_text(i int) RETURNS text LANGUAGE sql AS 'SELECT i::text';",
+             CREATE FUNCTION a_e_int(e a_e, m int, explicit boolean) RETURNS int
+                 LANGUAGE sql AS 'SELECT 1';
+             CREATE FUNCTION a_text(i int, j int) RETURNS text LANGUAGE sql AS 'SELECT i::text';
+             CREATE TYPE a_range AS RANGE (subtype = float8);
+             CREATE TEMP TABLE a_temp (x int CHECK (x > a_imm(1, 2)));",
         )
         .await
         .unwrap();
-    // Functions alone (called by name, which the classifier sees) are no way in.
+    // Functions called by name (which the classifier sees), a range type's constructors,
+    // a temporary table: no way in.
     assert_eq!(read_verdict(&client).await, (false, false, vec![]));
     let ways = [
         (
-            "CREATE VIEW a_v AS SELECT a_text(1) AS t",
+            "CREATE VIEW a_v AS SELECT a_text(1, 2) AS t",
             "view public.a_v",
             "DROP VIEW a_v",
         ),
@@ -873,14 +878,30 @@ async fn the_read_audit_finds_each_way_a_read_calls_a_function() {
             "DROP VIEW a_lo",
         ),
         (
-            "CREATE POLICY a_p ON a_t USING (a_bool(x))",
+            "CREATE VIEW a_ts AS SELECT * FROM ts_stat('SELECT a_text(1, 2)::tsvector')",
+            "view public.a_ts",
+            "DROP VIEW a_ts",
+        ),
+        (
+            "CREATE POLICY a_p ON a_t USING (a_bool(x, 0))",
             "row-level security policy a_p on public.a_t",
             "DROP POLICY a_p ON a_t",
         ),
         (
-            "CREATE DOMAIN a_d AS int CHECK (a_bool(VALUE))",
+            "CREATE DOMAIN a_d AS int CHECK (a_bool(VALUE, 0))",
             "domain public.a_d",
             "DROP DOMAIN a_d",
+        ),
+        (
+            "ALTER TABLE a_t ADD CONSTRAINT a_c CHECK (x > a_imm(1, 2))",
+            "constraint a_c on public.a_t",
+            "ALTER TABLE a_t DROP CONSTRAINT a_c",
+        ),
+        (
+            "CREATE INDEX a_i ON a_t ((a_imm(x, 1)))",
+            "index public.a_i",
+            // Dropping an index is not audited: the next audited command lowers it.
+            "DROP INDEX a_i; CREATE VIEW a_plain AS SELECT 1 AS one; DROP VIEW a_plain",
         ),
         (
             "CREATE OPERATOR ### (FUNCTION = a_add, LEFTARG = int, RIGHTARG = int)",
@@ -888,7 +909,12 @@ async fn the_read_audit_finds_each_way_a_read_calls_a_function() {
             "DROP OPERATOR ### (int, int)",
         ),
         (
-            "CREATE CAST (a_e AS int) WITH FUNCTION a_e_int(a_e)",
+            "CREATE OPERATOR ~~~ (FUNCTION = pg_catalog.lo_unlink, RIGHTARG = oid)",
+            "operator public.~~~(NONE,oid)",
+            "DROP OPERATOR ~~~ (NONE, oid)",
+        ),
+        (
+            "CREATE CAST (a_e AS int) WITH FUNCTION a_e_int(a_e, int, boolean)",
             "cast public.a_e AS integer",
             "DROP CAST (a_e AS int)",
         ),
@@ -905,13 +931,18 @@ async fn the_read_audit_finds_each_way_a_read_calls_a_function() {
         ),
         (
             "CREATE FUNCTION a_full(r a_t) RETURNS int LANGUAGE sql AS 'SELECT 1'",
-            "function public.a_full(public.a_t) (callable as an attribute, t.a_full)",
+            "function public.a_full(public.a_t) (callable as an attribute, x.a_full)",
             "DROP FUNCTION a_full(a_t)",
         ),
         (
-            "CREATE FUNCTION public.upper(i int) RETURNS int LANGUAGE sql AS 'SELECT i'",
-            "function public.upper(integer) (a built-in's name)",
-            "DROP FUNCTION public.upper(int)",
+            "CREATE FUNCTION a_one(i int, j int DEFAULT 0) RETURNS int LANGUAGE sql AS 'SELECT i'",
+            "function public.a_one(integer,integer) (callable as an attribute, x.a_one)",
+            "DROP FUNCTION a_one(int, int)",
+        ),
+        (
+            "CREATE FUNCTION public.upper(i int, j int) RETURNS int LANGUAGE sql AS 'SELECT i'",
+            "function public.upper(integer,integer) (a built-in's name)",
+            "DROP FUNCTION public.upper(int, int)",
         ),
     ];
     for (create, object, drop) in ways {
@@ -930,7 +961,7 @@ async fn the_read_audit_finds_each_way_a_read_calls_a_function() {
     }
     // A DDL rolled back leaves the verdict as it was.
     client
-        .batch_execute("BEGIN; CREATE VIEW a_v AS SELECT a_text(1) AS t; ROLLBACK")
+        .batch_execute("BEGIN; CREATE VIEW a_v AS SELECT a_text(1, 2) AS t; ROLLBACK")
         .await
         .unwrap();
     assert_eq!(read_verdict(&client).await, (false, false, vec![]));
@@ -939,7 +970,7 @@ async fn the_read_audit_finds_each_way_a_read_calls_a_function() {
     client
         .batch_execute(
             "DROP EVENT TRIGGER pgfence_read_audit;
-             CREATE VIEW a_v AS SELECT a_text(1) AS t;",
+             CREATE VIEW a_v AS SELECT a_text(1, 2) AS t;",
         )
         .await
         .unwrap();

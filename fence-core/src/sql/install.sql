@@ -618,32 +618,48 @@ BEGIN
 -- PL/pgSQL rather than SQL: the plan is kept for the session (planning it takes longer than
 -- running it), so the event trigger pays it once per session that runs DDL.
 RETURN QUERY
-WITH user_fn AS (
-    SELECT p.oid FROM pg_catalog.pg_proc AS p
-    WHERE p.pronamespace NOT IN ('pg_catalog'::regnamespace, 'information_schema'::regnamespace,
-                                 'pgfence'::regnamespace)
-      AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_depend AS e
-                      WHERE e.classid = 'pg_catalog.pg_proc'::regclass AND e.objid = p.oid
-                        AND e.deptype = 'e')
-), writing_builtin AS (
-    SELECT p.oid FROM pg_catalog.pg_proc AS p
-    WHERE p.pronamespace = 'pg_catalog'::regnamespace
+WITH writing_builtin AS (
+    -- Built-ins that write, or run a query given as text.
+    SELECT p.oid, p.prosrc FROM pg_catalog.pg_proc AS p
+    WHERE p.oid < 16384
       AND p.proname IN ('lo_creat', 'lo_create', 'lo_import', 'lo_unlink', 'lo_put',
                         'lo_from_bytea', 'lo_truncate', 'lo_truncate64', 'lowrite',
                         'txid_current', 'pg_current_xact_id', 'query_to_xml',
-                        'query_to_xmlschema', 'query_to_xml_and_xmlschema')
+                        'query_to_xmlschema', 'query_to_xml_and_xmlschema', 'ts_stat',
+                        'ts_rewrite')
+), user_fn AS (
+    -- Functions of the database's own: created after initdb (whatever their schema), not
+    -- pgfence's, not an extension's, and not an internal-language function that runs a
+    -- built-in that does not write (a range type's constructors).
+    SELECT p.oid FROM pg_catalog.pg_proc AS p
+    WHERE p.oid >= 16384
+      AND NOT (p.pronamespace = 'pgfence'::regnamespace
+               AND p.proname IN ('check', 'check_write', 'fast_reject', 'raise_stale',
+                                 'guard_fences', 'guard_history', 'read_audit_objects',
+                                 'reads_may_write', 'audit_reads_on_ddl'))
+      AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_depend AS e
+                      WHERE e.classid = 'pg_catalog.pg_proc'::regclass AND e.objid = p.oid
+                        AND e.deptype = 'e')
+      AND NOT (p.prolang = (SELECT l.oid FROM pg_catalog.pg_language AS l
+                            WHERE l.lanname = 'internal')
+               AND p.prosrc NOT IN (SELECT w.prosrc FROM writing_builtin AS w))
+), called AS (
+    SELECT oid FROM user_fn UNION ALL SELECT oid FROM writing_builtin
 ), calls AS (
     SELECT d.classid, d.objid FROM pg_catalog.pg_depend AS d
     WHERE d.refclassid = 'pg_catalog.pg_proc'::regclass AND d.refobjid IN (SELECT oid FROM user_fn)
-), user_rule AS MATERIALIZED (
-    -- Not the system views' rules: turning their trees into text takes tens of milliseconds.
-    SELECT r.oid, r.ev_class, r.ev_action
-    FROM pg_catalog.pg_rewrite AS r JOIN pg_catalog.pg_class AS v ON v.oid = r.ev_class
-    WHERE v.relnamespace NOT IN ('pg_catalog'::regnamespace, 'information_schema'::regnamespace)
 ), builtin_call AS (
     -- pg_depend records no dependency on a built-in: the expression trees show the calls.
-    SELECT ':funcid (' || pg_catalog.string_agg(oid::text, '|') || ')\M' AS pattern
+    SELECT ':(funcid|opfuncid|aggfnoid|winfnoid) (' || pg_catalog.string_agg(oid::text, '|')
+           || ')\M' AS pattern
     FROM writing_builtin
+), temp_rel AS (
+    -- Temporary relations: only their own session reads through them.
+    SELECT k.oid FROM pg_catalog.pg_class AS k WHERE k.relpersistence = 't'
+), user_rule AS MATERIALIZED (
+    -- Not the system views' rules: turning their trees into text takes tens of milliseconds.
+    SELECT r.oid, r.ev_class, r.ev_action FROM pg_catalog.pg_rewrite AS r
+    WHERE r.oid >= 16384 AND r.ev_class NOT IN (SELECT oid FROM temp_rel)
 )
 SELECT 'view ' || r.ev_class::regclass::text
   FROM user_rule AS r
@@ -653,71 +669,103 @@ UNION
 SELECT 'row-level security policy ' || pg_catalog.quote_ident(pol.polname) || ' on '
        || pol.polrelid::regclass::text
   FROM pg_catalog.pg_policy AS pol
-  WHERE pol.oid IN (SELECT objid FROM calls WHERE classid = 'pg_catalog.pg_policy'::regclass)
+  WHERE pol.polrelid NOT IN (SELECT oid FROM temp_rel)
+    AND (pol.oid IN (SELECT objid FROM calls WHERE classid = 'pg_catalog.pg_policy'::regclass)
      OR pol.polqual::text ~ (SELECT pattern FROM builtin_call)
-     OR pol.polwithcheck::text ~ (SELECT pattern FROM builtin_call)
+     OR pol.polwithcheck::text ~ (SELECT pattern FROM builtin_call))
 UNION
-SELECT 'domain ' || c.contypid::regtype::text
+-- A domain's check runs for casts; a table's CHECK constraints, index expressions,
+-- partition keys and statistics expressions are simplified by the planner, which runs the
+-- IMMUTABLE functions they call.
+SELECT CASE WHEN c.contypid <> 0 THEN 'domain ' || c.contypid::regtype::text
+            ELSE 'constraint ' || pg_catalog.quote_ident(c.conname) || ' on '
+                 || c.conrelid::regclass::text END
   FROM pg_catalog.pg_constraint AS c
-  WHERE c.contypid <> 0
+  WHERE c.conrelid NOT IN (SELECT oid FROM temp_rel)
     AND (c.oid IN (SELECT objid FROM calls WHERE classid = 'pg_catalog.pg_constraint'::regclass)
          OR c.conbin::text ~ (SELECT pattern FROM builtin_call))
 UNION
+SELECT CASE k.relkind WHEN 'i' THEN 'index ' WHEN 'I' THEN 'index ' ELSE 'table ' END
+       || k.oid::regclass::text
+  FROM pg_catalog.pg_class AS k
+  WHERE k.oid IN (SELECT objid FROM calls WHERE classid = 'pg_catalog.pg_class'::regclass)
+    AND k.relpersistence <> 't'
+UNION
+SELECT 'statistics ' || s.stxname
+  FROM pg_catalog.pg_statistic_ext AS s
+  WHERE s.stxrelid NOT IN (SELECT oid FROM temp_rel)
+    AND s.oid IN (SELECT objid FROM calls WHERE classid = 'pg_catalog.pg_statistic_ext'::regclass)
+UNION
 SELECT 'operator ' || o.oid::regoperator::text
   FROM pg_catalog.pg_operator AS o
-  WHERE o.oprcode::oid IN (SELECT oid FROM user_fn)
-     OR o.oprrest::oid IN (SELECT oid FROM user_fn)
-     OR o.oprjoin::oid IN (SELECT oid FROM user_fn)
+  WHERE o.oprcode::oid IN (SELECT oid FROM called)
+     OR o.oprrest::oid IN (SELECT oid FROM called)
+     OR o.oprjoin::oid IN (SELECT oid FROM called)
 UNION
 SELECT 'cast ' || pg_catalog.format_type(c.castsource, NULL) || ' AS '
        || pg_catalog.format_type(c.casttarget, NULL)
-  FROM pg_catalog.pg_cast AS c WHERE c.castfunc IN (SELECT oid FROM user_fn)
+  FROM pg_catalog.pg_cast AS c WHERE c.castfunc IN (SELECT oid FROM called)
 UNION
 SELECT 'aggregate ' || a.aggfnoid::regprocedure::text
-  FROM pg_catalog.pg_aggregate AS a WHERE a.aggfnoid::oid IN (SELECT oid FROM user_fn)
+  FROM pg_catalog.pg_aggregate AS a
+  WHERE a.aggfnoid::oid IN (SELECT oid FROM user_fn)
+     OR a.aggtransfn::oid IN (SELECT oid FROM called)
+     OR a.aggfinalfn::oid IN (SELECT oid FROM called)
+     OR a.aggcombinefn::oid IN (SELECT oid FROM called)
+     OR a.aggserialfn::oid IN (SELECT oid FROM called)
+     OR a.aggdeserialfn::oid IN (SELECT oid FROM called)
+     OR a.aggmtransfn::oid IN (SELECT oid FROM called)
+     OR a.aggminvtransfn::oid IN (SELECT oid FROM called)
+     OR a.aggmfinalfn::oid IN (SELECT oid FROM called)
 UNION
 SELECT 'operator family ' || f.opfname || ' support function ' || ap.amproc::regprocedure::text
   FROM pg_catalog.pg_amproc AS ap JOIN pg_catalog.pg_opfamily AS f ON f.oid = ap.amprocfamily
-  WHERE ap.amproc::oid IN (SELECT oid FROM user_fn)
+  WHERE ap.amproc::oid IN (SELECT oid FROM called)
 UNION
 SELECT 'type ' || t.oid::regtype::text
   FROM pg_catalog.pg_type AS t
-  WHERE t.typinput::oid IN (SELECT oid FROM user_fn) OR t.typoutput::oid IN (SELECT oid FROM user_fn)
-     OR t.typreceive::oid IN (SELECT oid FROM user_fn) OR t.typsend::oid IN (SELECT oid FROM user_fn)
-     OR t.typmodin::oid IN (SELECT oid FROM user_fn) OR t.typmodout::oid IN (SELECT oid FROM user_fn)
-     OR t.typsubscript::oid IN (SELECT oid FROM user_fn)
+  WHERE t.typinput::oid IN (SELECT oid FROM called) OR t.typoutput::oid IN (SELECT oid FROM called)
+     OR t.typreceive::oid IN (SELECT oid FROM called) OR t.typsend::oid IN (SELECT oid FROM called)
+     OR t.typmodin::oid IN (SELECT oid FROM called) OR t.typmodout::oid IN (SELECT oid FROM called)
+     OR t.typanalyze::oid IN (SELECT oid FROM called)
+     OR t.typsubscript::oid IN (SELECT oid FROM called)
+UNION
+SELECT 'range type ' || r.rngtypid::regtype::text
+  FROM pg_catalog.pg_range AS r
+  WHERE r.rngcanonical::oid IN (SELECT oid FROM called)
+     OR r.rngsubdiff::oid IN (SELECT oid FROM called)
 UNION
 SELECT 'conversion ' || c.conname
-  FROM pg_catalog.pg_conversion AS c WHERE c.conproc::oid IN (SELECT oid FROM user_fn)
+  FROM pg_catalog.pg_conversion AS c WHERE c.conproc::oid IN (SELECT oid FROM called)
 UNION
 SELECT 'text search parser ' || p.prsname
   FROM pg_catalog.pg_ts_parser AS p
-  WHERE p.prsstart::oid IN (SELECT oid FROM user_fn) OR p.prstoken::oid IN (SELECT oid FROM user_fn)
-     OR p.prsend::oid IN (SELECT oid FROM user_fn) OR p.prsheadline::oid IN (SELECT oid FROM user_fn)
-     OR p.prslextype::oid IN (SELECT oid FROM user_fn)
+  WHERE p.prsstart::oid IN (SELECT oid FROM called) OR p.prstoken::oid IN (SELECT oid FROM called)
+     OR p.prsend::oid IN (SELECT oid FROM called) OR p.prsheadline::oid IN (SELECT oid FROM called)
+     OR p.prslextype::oid IN (SELECT oid FROM called)
 UNION
 SELECT 'text search template ' || t.tmplname
   FROM pg_catalog.pg_ts_template AS t
-  WHERE t.tmplinit::oid IN (SELECT oid FROM user_fn) OR t.tmpllexize::oid IN (SELECT oid FROM user_fn)
+  WHERE t.tmplinit::oid IN (SELECT oid FROM called) OR t.tmpllexize::oid IN (SELECT oid FROM called)
 UNION
 SELECT 'access method ' || am.amname
-  FROM pg_catalog.pg_am AS am WHERE am.amhandler::oid IN (SELECT oid FROM user_fn)
+  FROM pg_catalog.pg_am AS am WHERE am.amhandler::oid IN (SELECT oid FROM called)
 UNION
 SELECT 'foreign-data wrapper ' || w.fdwname
-  FROM pg_catalog.pg_foreign_data_wrapper AS w WHERE w.fdwhandler IN (SELECT oid FROM user_fn)
+  FROM pg_catalog.pg_foreign_data_wrapper AS w WHERE w.fdwhandler IN (SELECT oid FROM called)
 UNION
 SELECT 'function ' || p.oid::regprocedure::text || ' (a built-in''s name)'
   FROM pg_catalog.pg_proc AS p
   WHERE p.oid IN (SELECT oid FROM user_fn)
-    AND EXISTS (SELECT 1 FROM pg_catalog.pg_proc AS b
-                WHERE b.proname = p.proname AND b.pronamespace = 'pg_catalog'::regnamespace)
+    AND EXISTS (SELECT 1 FROM pg_catalog.pg_proc AS b WHERE b.proname = p.proname AND b.oid < 16384)
 UNION
-SELECT 'function ' || p.oid::regprocedure::text || ' (callable as an attribute, t.'
+-- Attribute notation calls a function of one argument, whatever its type: (1).f is f(1).
+SELECT 'function ' || p.oid::regprocedure::text || ' (callable as an attribute, x.'
        || pg_catalog.quote_ident(p.proname) || ')'
-  FROM pg_catalog.pg_proc AS p JOIN pg_catalog.pg_type AS t ON t.oid = p.proargtypes[0]
+  FROM pg_catalog.pg_proc AS p
   WHERE p.oid IN (SELECT oid FROM user_fn)
     AND p.pronargs >= 1 AND p.pronargs - p.pronargdefaults <= 1
-    AND t.typtype IN ('c', 'p')
+    AND p.prokind IN ('f', 'a', 'w')
 ORDER BY 1;
 END
 $objects$;
@@ -739,25 +787,52 @@ VALUES (true, EXISTS (SELECT 1 FROM pgfence.read_audit_objects()), pg_catalog.no
 ON CONFLICT (singleton) DO UPDATE
     SET reads_may_write = excluded.reads_may_write, audited_at = excluded.audited_at;
 
--- Runs as the owner (the DDL's user may not write pgfence's tables). The row is locked
--- before the audit, so the audit's snapshot is taken after a concurrent DDL transaction that
--- updated it has committed (under READ COMMITTED; under the other levels that update makes
--- this one fail with 40001, and the DDL with it).
+-- Runs as the owner (the DDL's user may not write pgfence's tables). A command that finds
+-- the verdict unchanged takes only a share lock on the row while it stays true, so DDL in
+-- concurrent transactions does not queue on it; only a change takes the row exclusively
+-- (docs/fence-locking.md, "The read audit").
 CREATE OR REPLACE FUNCTION pgfence.audit_reads_on_ddl()
 RETURNS event_trigger
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $audit$
+DECLARE
+    v_now  boolean;
+    v_kept boolean;
 BEGIN
     IF pg_catalog.to_regclass('pgfence.read_audit') IS NULL
        OR pg_catalog.to_regprocedure('pgfence.read_audit_objects()') IS NULL THEN
         RETURN;
     END IF;
-    PERFORM 1 FROM pgfence.read_audit FOR UPDATE;
-    UPDATE pgfence.read_audit
-        SET reads_may_write = EXISTS (SELECT 1 FROM pgfence.read_audit_objects()),
-            audited_at = pg_catalog.now();
+    -- Temporary tables and their indexes: applications create them often, and they give
+    -- no other session's read a way in.
+    IF TG_TAG IN ('CREATE TABLE', 'ALTER TABLE', 'CREATE INDEX', 'ALTER INDEX',
+                  'CREATE STATISTICS', 'ALTER STATISTICS')
+       AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_event_trigger_ddl_commands() AS c
+                       WHERE c.schema_name IS DISTINCT FROM 'pg_temp') THEN
+        RETURN;
+    END IF;
+    v_now := EXISTS (SELECT 1 FROM pgfence.read_audit_objects());
+    SELECT a.reads_may_write INTO v_kept FROM pgfence.read_audit AS a;
+    IF v_now THEN
+        IF v_kept THEN
+            -- Keeps it true until this transaction ends: a concurrent lowering, which
+            -- cannot see this transaction's objects, waits for it and audits again.
+            SELECT a.reads_may_write INTO v_kept FROM pgfence.read_audit AS a FOR SHARE;
+        END IF;
+        IF NOT v_kept THEN
+            UPDATE pgfence.read_audit SET reads_may_write = true, audited_at = pg_catalog.now();
+        END IF;
+    ELSIF v_kept AND pg_catalog.current_setting('transaction_isolation') = 'read committed' THEN
+        -- Lowering: waits for the transactions that keep it true, then audits again with a
+        -- snapshot that sees what they committed. (Under the other isolation levels the
+        -- snapshot cannot: the verdict stays true until a later command lowers it.)
+        PERFORM 1 FROM pgfence.read_audit FOR UPDATE;
+        UPDATE pgfence.read_audit
+            SET reads_may_write = EXISTS (SELECT 1 FROM pgfence.read_audit_objects()),
+                audited_at = pg_catalog.now();
+    END IF;
 END
 $audit$;
 
@@ -769,54 +844,57 @@ BEGIN
     IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = current_user AND rolsuper) THEN
         RETURN;
     END IF;
-    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_event_trigger WHERE evtname = 'pgfence_read_audit') THEN
-        CREATE EVENT TRIGGER pgfence_read_audit ON ddl_command_end
-            WHEN TAG IN (
-                'CREATE ACCESS METHOD', 'DROP ACCESS METHOD',
-                'CREATE AGGREGATE', 'ALTER AGGREGATE', 'DROP AGGREGATE',
-                'CREATE CAST', 'DROP CAST',
-                'CREATE CONVERSION', 'ALTER CONVERSION', 'DROP CONVERSION',
-                'CREATE DOMAIN', 'ALTER DOMAIN', 'DROP DOMAIN',
-                'CREATE EXTENSION', 'ALTER EXTENSION', 'DROP EXTENSION',
-                'CREATE FOREIGN DATA WRAPPER', 'ALTER FOREIGN DATA WRAPPER',
-                'DROP FOREIGN DATA WRAPPER',
-                'CREATE FUNCTION', 'ALTER FUNCTION', 'DROP FUNCTION',
-                'CREATE PROCEDURE', 'ALTER PROCEDURE', 'DROP PROCEDURE',
-                'ALTER ROUTINE', 'DROP ROUTINE',
-                'CREATE OPERATOR', 'ALTER OPERATOR', 'DROP OPERATOR',
-                'CREATE OPERATOR CLASS', 'ALTER OPERATOR CLASS', 'DROP OPERATOR CLASS',
-                'CREATE OPERATOR FAMILY', 'ALTER OPERATOR FAMILY', 'DROP OPERATOR FAMILY',
-                'CREATE POLICY', 'ALTER POLICY', 'DROP POLICY',
-                'CREATE RULE', 'ALTER RULE', 'DROP RULE',
-                'CREATE SCHEMA', 'ALTER SCHEMA', 'DROP SCHEMA',
-                'CREATE TEXT SEARCH PARSER', 'ALTER TEXT SEARCH PARSER',
-                'DROP TEXT SEARCH PARSER',
-                'CREATE TEXT SEARCH TEMPLATE', 'ALTER TEXT SEARCH TEMPLATE',
-                'DROP TEXT SEARCH TEMPLATE',
-                'CREATE TYPE', 'ALTER TYPE', 'DROP TYPE',
-                'CREATE VIEW', 'ALTER VIEW', 'DROP VIEW',
-                'DROP TABLE', 'DROP OWNED')
-            EXECUTE FUNCTION pgfence.audit_reads_on_ddl();
-    END IF;
-    ALTER EVENT TRIGGER pgfence_read_audit ENABLE;
+    -- Created again, so that an upgrade brings its list of commands up to date.
+    DROP EVENT TRIGGER IF EXISTS pgfence_read_audit;
+    CREATE EVENT TRIGGER pgfence_read_audit ON ddl_command_end
+        WHEN TAG IN (
+            'CREATE ACCESS METHOD', 'DROP ACCESS METHOD',
+            'CREATE AGGREGATE', 'ALTER AGGREGATE', 'DROP AGGREGATE',
+            'CREATE CAST', 'DROP CAST',
+            'CREATE CONVERSION', 'ALTER CONVERSION', 'DROP CONVERSION',
+            'CREATE DOMAIN', 'ALTER DOMAIN', 'DROP DOMAIN',
+            'CREATE EXTENSION', 'ALTER EXTENSION', 'DROP EXTENSION',
+            'CREATE FOREIGN DATA WRAPPER', 'ALTER FOREIGN DATA WRAPPER',
+            'DROP FOREIGN DATA WRAPPER',
+            'CREATE FUNCTION', 'ALTER FUNCTION', 'DROP FUNCTION',
+            'CREATE PROCEDURE', 'ALTER PROCEDURE', 'DROP PROCEDURE',
+            'ALTER ROUTINE', 'DROP ROUTINE',
+            'CREATE OPERATOR', 'ALTER OPERATOR', 'DROP OPERATOR',
+            'CREATE OPERATOR CLASS', 'ALTER OPERATOR CLASS', 'DROP OPERATOR CLASS',
+            'CREATE OPERATOR FAMILY', 'ALTER OPERATOR FAMILY', 'DROP OPERATOR FAMILY',
+            'CREATE POLICY', 'ALTER POLICY', 'DROP POLICY',
+            'CREATE RULE', 'ALTER RULE', 'DROP RULE',
+            'CREATE SCHEMA', 'ALTER SCHEMA', 'DROP SCHEMA',
+            'CREATE TEXT SEARCH PARSER', 'ALTER TEXT SEARCH PARSER',
+            'DROP TEXT SEARCH PARSER',
+            'CREATE TEXT SEARCH TEMPLATE', 'ALTER TEXT SEARCH TEMPLATE',
+            'DROP TEXT SEARCH TEMPLATE',
+            'CREATE TYPE', 'ALTER TYPE', 'DROP TYPE',
+            'CREATE VIEW', 'ALTER VIEW', 'DROP VIEW',
+            'CREATE TABLE', 'ALTER TABLE', 'CREATE INDEX', 'ALTER INDEX',
+            'CREATE STATISTICS', 'ALTER STATISTICS', 'DROP OWNED')
+        EXECUTE FUNCTION pgfence.audit_reads_on_ddl();
 END
 $trigger$;
 
 -- What the proxy asks when a client session starts: the kept verdict while the event trigger
--- keeps it, else a fresh audit.
+-- keeps it, else a fresh audit. A lock on the table (VACUUM FULL, LOCK TABLE) makes it fail
+-- after a second rather than hold the client's login; the proxy then checks that session's
+-- reads.
 CREATE OR REPLACE FUNCTION pgfence.reads_may_write()
 RETURNS boolean
 LANGUAGE plpgsql
 STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '1s'
 AS $reads$
 DECLARE
     v_kept boolean;
 BEGIN
     IF EXISTS (SELECT 1 FROM pg_catalog.pg_event_trigger AS t
                WHERE t.evtname = 'pgfence_read_audit' AND t.evtenabled IN ('O', 'A')
-                 AND t.evtfoid = 'pgfence.audit_reads_on_ddl()'::regprocedure) THEN
+                 AND t.evtfoid = pg_catalog.to_regprocedure('pgfence.audit_reads_on_ddl()')) THEN
         SELECT a.reads_may_write INTO v_kept FROM pgfence.read_audit AS a;
         IF FOUND THEN
             RETURN v_kept;

@@ -549,6 +549,7 @@ impl Session {
     /// Learns fences from a check's result (`resource=token,...`).
     pub(super) fn observe_check_result(&mut self, value: Option<&[u8]>) {
         self.observe_check_latency();
+        self.shared.check_ran(&self.database);
         self.fence.looks_fenced = value.is_some();
         let metrics = &self.shared.metrics;
         let Some(value) = value else {

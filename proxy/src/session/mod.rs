@@ -396,10 +396,10 @@ async fn run_session(
             Stream::from_std(p.stream).ok().map(|s| (s, born, login))
         });
     // Sessions on a kept connection ask whether reads may write with its refresh.
-    let without_read_audit = shared.lately_without_read_audit(&startup.database());
+    let known_audit = shared.known_read_audit(&startup.database());
     let mut kept_audit = None;
     if let Some((server, _, login)) = &mut parked {
-        let ask = config.fence.enabled && read_audit::asks(&config) && !without_read_audit;
+        let ask = config.fence.enabled && read_audit::asks(&config) && known_audit.is_none();
         match kept::refresh_kept(server, login, RESET_TIMEOUT, ask).await {
             Ok(answer) => kept_audit = answer,
             Err(e) => {
@@ -465,8 +465,8 @@ async fn run_session(
         upstream_addr,
         stop.clone(),
     );
-    if without_read_audit {
-        session.forgo_read_audit();
+    if let Some(known) = known_audit {
+        session.take_known_read_audit(known);
     }
     session.tls = tls;
     session.client_cn = client_cn;

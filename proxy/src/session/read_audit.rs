@@ -8,9 +8,11 @@
 //! every transaction is checked; the client gets its login's ReadyForQuery only after it,
 //! so in practice no transaction runs before it.
 //!
-//! Where the question fails (a schema older than version 8, or none: writes fail there
-//! anyway; no EXECUTE on the function), reads are skipped as the classifier says, as before
-//! version 8, and a WARN says so once per database. A database without the function is
+//! Where the database cannot answer (a schema older than version 8, or none: writes fail
+//! there anyway; no EXECUTE on the function, nor then on the check), reads are skipped as
+//! the classifier says, as before version 8, and a WARN says so once per database. Any
+//! other failure (a `statement_timeout`, a lock timeout) leaves the answer unknown, and the
+//! session checks reads. A database without the function is
 //! not asked again for a minute (`state::READ_AUDIT_RETRY`): each question would log an
 //! error on the server.
 
@@ -19,12 +21,18 @@ use tracing::{info, warn};
 use crate::error::SessionError;
 use crate::protocol::message as msg;
 
-use super::{Phase, Session};
+use crate::state::ReadAuditKnown;
+
+use super::{Hold, Phase, Session};
 
 /// Whether sessions under `config` ask the question (those with the fence on).
 pub(super) fn asks(config: &pgfence_config::Config) -> bool {
     config.fence.skip_read_only && config.fence.read_audit
 }
+
+/// Errors that mean the database cannot answer, for want of the function or of the right
+/// to call it: undefined schema, undefined function, insufficient privilege.
+const NOT_ASKABLE: [&str; 3] = ["3F000", "42883", "42501"];
 
 /// The question, as a simple Query.
 pub(super) const QUERY: &[u8] = b"SELECT pgfence.reads_may_write()";
@@ -66,6 +74,10 @@ impl Session {
     /// Puts the answer in force: checks reads unless the database said they cannot write.
     pub(super) fn apply_read_audit(&mut self, answer: Answer) {
         self.read_audit_asked = false;
+        if let Answer::MayWrite(may_write) = answer {
+            self.shared
+                .learn_read_audit(&self.database, ReadAuditKnown::MayWrite(may_write));
+        }
         match answer {
             Answer::MayWrite(false) => self.tx.check_reads = false,
             Answer::MayWrite(true) | Answer::None => {
@@ -79,10 +91,14 @@ impl Session {
                     );
                 }
             }
-            Answer::Failed(code, message) => {
+            // No function to ask (schema pgfence missing or older than version 8), or no
+            // right to call it (nor, then, the check): reads skip the check as before.
+            Answer::Failed(code, message) if NOT_ASKABLE.contains(&code.as_str()) => {
                 self.tx.check_reads = false;
-                if code == "3F000" || code == "42883" {
-                    self.shared.note_without_read_audit(&self.database);
+                if code != "42501" {
+                    // (42501 depends on the user, not the database.)
+                    self.shared
+                        .learn_read_audit(&self.database, ReadAuditKnown::NoFunction);
                 }
                 // Without schema pgfence at all, writes fail and say so (`schema_missing`).
                 if code != "3F000"
@@ -102,36 +118,66 @@ impl Session {
                     );
                 }
             }
+            // Anything else (a statement_timeout, a lock, a conflict with recovery): the
+            // answer is not known, so this session checks reads.
+            Answer::Failed(code, message) => {
+                self.tx.check_reads = true;
+                if self
+                    .shared
+                    .first_report("read audit unanswered", &self.database)
+                {
+                    warn!(
+                        database = %self.database,
+                        sqlstate = %code,
+                        error = %message,
+                        "asking whether reads may write failed: this session checks every \
+                         transaction, reads too (logged once per database)"
+                    );
+                }
+            }
         }
     }
 
-    /// Does not ask (the database was lately found without the function): reads skip the
-    /// check as the classifier says.
-    pub(super) fn forgo_read_audit(&mut self) {
-        if self.read_audit_asked {
-            self.read_audit_asked = false;
-            self.tx.check_reads = false;
+    /// Takes what another session of the database learnt lately, instead of asking.
+    pub(super) fn take_known_read_audit(&mut self, known: ReadAuditKnown) {
+        if !self.read_audit_asked {
+            return;
+        }
+        match known {
+            ReadAuditKnown::MayWrite(may_write) => {
+                self.read_audit_asked = false;
+                self.tx.check_reads = may_write;
+            }
+            ReadAuditKnown::NoFunction => {
+                self.read_audit_asked = false;
+                self.tx.check_reads = false;
+            }
         }
     }
 
     /// The server's ReadyForQuery ended the login: asks the question, holding that
-    /// ReadyForQuery back until the answer is in.
+    /// ReadyForQuery back, and what the client sends meanwhile, until the answer is in.
     pub(super) fn ask_read_audit(&mut self, ready: &[u8]) {
         msg::query(&mut self.to_server, QUERY);
         self.read_audit_ready = ready.to_vec();
         self.phase = Phase::ReadAudit;
+        self.hold = Hold::Waiting;
     }
 
-    /// A reply to the question asked at login.
+    /// A reply to the question asked at login. Its notices are pgfence's alone (a
+    /// `log_statement` echo, say), but a FATAL error ends the session as the server's.
     pub(super) fn on_read_audit_frame(
         &mut self,
         tag: u8,
         frame: &[u8],
     ) -> Result<(), SessionError> {
         match tag {
-            b'N' => self.to_client.extend_from_slice(frame),
+            b'N' => {}
             b'S' => {
                 self.on_parameter_status(frame)?;
+                self.to_client.extend_from_slice(frame);
+            }
+            b'E' if matches!(msg::error_fields(frame).severity, b"FATAL" | b"PANIC") => {
                 self.to_client.extend_from_slice(frame);
             }
             b'Z' => {
@@ -142,6 +188,7 @@ impl Session {
                 self.apply_read_audit(answer);
                 let ready = std::mem::take(&mut self.read_audit_ready);
                 self.phase = Phase::Auth;
+                self.hold = Hold::None;
                 self.on_auth_server_frame(b'Z', &ready)?;
             }
             _ => self.read_audit_answer.on_reply(tag, frame)?,
