@@ -10,7 +10,8 @@
 //!   with COMMIT as the proxy sends it; then the invariant checker over what was committed.
 //!   The same workload without the check must make the checker report violations.
 //! - [`the_read_audit_finds_each_way_a_read_calls_a_function`]: the schema audit behind
-//!   `fence.read_audit`, with and without its event trigger.
+//!   `fence.read_audit`, with and without its event trigger, and
+//!   [`the_read_audit_verdict_under_concurrent_ddl`]: its locking.
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -1006,4 +1007,69 @@ async fn read_verdict(client: &Client) -> (bool, bool, Vec<String>) {
         .map(|r| r.get(0))
         .collect();
     (kept, asked, objects)
+}
+
+/// The read audit's event trigger under concurrent DDL: while the verdict stays true,
+/// concurrent DDL transactions do not wait for each other (under READ COMMITTED and
+/// REPEATABLE READ; a review found that they queued, deadlocked and failed with 40001 when
+/// every command locked the verdict's row); and a command that would lower the verdict
+/// waits for a concurrent transaction that keeps it true, then audits again and sees the
+/// object that transaction added.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_read_audit_verdict_under_concurrent_ddl() {
+    let cluster = PgCluster::start();
+    let first = fresh_database(&cluster, "concurrent_ddl").await;
+    let second = cluster.connect("concurrent_ddl").await;
+    first
+        .batch_execute(
+            "CREATE FUNCTION c_one(i int) RETURNS int LANGUAGE sql AS 'SELECT i';
+             CREATE FUNCTION c_two(i int, j int) RETURNS int LANGUAGE sql AS 'SELECT i';",
+        )
+        .await
+        .unwrap();
+    assert!(read_verdict(&first).await.0);
+    for level in ["READ COMMITTED", "REPEATABLE READ"] {
+        first
+            .batch_execute(&format!(
+                "BEGIN ISOLATION LEVEL {level}; CREATE FUNCTION c_a() RETURNS int LANGUAGE sql AS 'SELECT 1'"
+            ))
+            .await
+            .unwrap();
+        second
+            .batch_execute(&format!(
+                "BEGIN ISOLATION LEVEL {level}; SET LOCAL lock_timeout = '2s';
+                 CREATE FUNCTION c_b() RETURNS int LANGUAGE sql AS 'SELECT 1'; COMMIT"
+            ))
+            .await
+            .unwrap_or_else(|e| panic!("{level}: concurrent DDL waited or failed: {e:?}"));
+        first.batch_execute("COMMIT").await.unwrap();
+        first
+            .batch_execute("DROP FUNCTION c_a(); DROP FUNCTION c_b()")
+            .await
+            .unwrap();
+    }
+    // A transaction keeps the verdict true by a view it adds, while another drops the only
+    // object it knows of: the lowering waits, audits again, and the verdict stays true.
+    first
+        .batch_execute("BEGIN; CREATE VIEW c_v AS SELECT c_two(1, 2) AS x")
+        .await
+        .unwrap();
+    let lowering = tokio::spawn(async move {
+        second
+            .batch_execute("DROP FUNCTION c_one(int)")
+            .await
+            .unwrap();
+        second
+    });
+    tokio::time::sleep(BLOCKED_FOR).await;
+    assert!(!lowering.is_finished(), "the lowering did not wait");
+    first.batch_execute("COMMIT").await.unwrap();
+    let second = lowering.await.unwrap();
+    assert_eq!(
+        read_verdict(&second).await,
+        (true, true, vec!["view public.c_v".to_string()])
+    );
+    // With nothing left, the next audited command lowers it.
+    first.batch_execute("DROP VIEW c_v").await.unwrap();
+    assert_eq!(read_verdict(&first).await, (false, false, vec![]));
 }
