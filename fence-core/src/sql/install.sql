@@ -626,7 +626,9 @@ WITH writing_builtin AS (
                         'lo_from_bytea', 'lo_truncate', 'lo_truncate64', 'lowrite',
                         'txid_current', 'pg_current_xact_id', 'query_to_xml',
                         'query_to_xmlschema', 'query_to_xml_and_xmlschema', 'ts_stat',
-                        'ts_rewrite')
+                        'ts_rewrite', 'pg_logical_emit_message',
+                        'pg_import_system_collations', 'pg_replication_origin_create',
+                        'pg_replication_origin_drop')
 ), user_fn AS (
     -- Functions of the database's own: created after initdb (whatever their schema), not
     -- pgfence's, not an extension's, and not an internal-language function that runs a
@@ -658,8 +660,10 @@ WITH writing_builtin AS (
     SELECT k.oid FROM pg_catalog.pg_class AS k WHERE k.relpersistence = 't'
 ), user_rule AS MATERIALIZED (
     -- Not the system views' rules: turning their trees into text takes tens of milliseconds.
-    SELECT r.oid, r.ev_class, r.ev_action FROM pg_catalog.pg_rewrite AS r
-    WHERE r.oid >= 16384 AND r.ev_class NOT IN (SELECT oid FROM temp_rel)
+    -- Views only: reading a materialized view runs nothing.
+    SELECT r.oid, r.ev_class, r.ev_action
+    FROM pg_catalog.pg_rewrite AS r JOIN pg_catalog.pg_class AS v ON v.oid = r.ev_class
+    WHERE r.oid >= 16384 AND v.relkind = 'v' AND v.relpersistence <> 't'
 )
 SELECT 'view ' || r.ev_class::regclass::text
   FROM user_rule AS r
@@ -774,32 +778,30 @@ COMMENT ON FUNCTION pgfence.read_audit_objects() IS
     'pgfence: objects through which a statement the proxy takes for a read may call a function of this database''s own.';
 
 -- The verdict, kept by the event trigger below at the end of every command that may change
--- it, so that a session start reads one row rather than auditing the catalog (a few
--- milliseconds).
+-- it, so that a session start reads a row rather than auditing the catalog (a few
+-- milliseconds): reads may write while the table has a row. Each DDL transaction that
+-- finds a way in adds a row of its own, which no concurrent transaction can see or remove
+-- before it commits; one that finds none removes the rows it sees, in the statement that
+-- audits (one snapshot for both), skipping rows another transaction holds. So the trigger
+-- never waits for a lock, and cannot make DDL deadlock or fail with 40001
+-- (docs/fence-locking.md, "The read audit").
 CREATE TABLE IF NOT EXISTS pgfence.read_audit (
-    singleton       boolean     PRIMARY KEY DEFAULT true CHECK (singleton),
-    reads_may_write boolean     NOT NULL,
-    audited_at      timestamptz NOT NULL DEFAULT pg_catalog.now()
+    xact      xid8        NOT NULL DEFAULT pg_catalog.pg_current_xact_id(),
+    raised_at timestamptz NOT NULL DEFAULT pg_catalog.now()
 );
 
-INSERT INTO pgfence.read_audit AS a (singleton, reads_may_write, audited_at)
-VALUES (true, EXISTS (SELECT 1 FROM pgfence.read_audit_objects()), pg_catalog.now())
-ON CONFLICT (singleton) DO UPDATE
-    SET reads_may_write = excluded.reads_may_write, audited_at = excluded.audited_at;
+DELETE FROM pgfence.read_audit;
+INSERT INTO pgfence.read_audit (xact, raised_at)
+SELECT pg_catalog.pg_current_xact_id(), pg_catalog.now()
+WHERE EXISTS (SELECT 1 FROM pgfence.read_audit_objects());
 
--- Runs as the owner (the DDL's user may not write pgfence's tables). A command that finds
--- the verdict unchanged takes only a share lock on the row while it stays true, so DDL in
--- concurrent transactions does not queue on it; only a change takes the row exclusively
--- (docs/fence-locking.md, "The read audit").
+-- Runs as the owner (the DDL's user may not write pgfence's tables).
 CREATE OR REPLACE FUNCTION pgfence.audit_reads_on_ddl()
 RETURNS event_trigger
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $audit$
-DECLARE
-    v_now  boolean;
-    v_kept boolean;
 BEGIN
     IF pg_catalog.to_regclass('pgfence.read_audit') IS NULL
        OR pg_catalog.to_regprocedure('pgfence.read_audit_objects()') IS NULL THEN
@@ -813,25 +815,24 @@ BEGIN
                        WHERE c.schema_name IS DISTINCT FROM 'pg_temp') THEN
         RETURN;
     END IF;
-    v_now := EXISTS (SELECT 1 FROM pgfence.read_audit_objects());
-    SELECT a.reads_may_write INTO v_kept FROM pgfence.read_audit AS a;
-    IF v_now THEN
-        IF v_kept THEN
-            -- Keeps it true until this transaction ends: a concurrent lowering, which
-            -- cannot see this transaction's objects, waits for it and audits again.
-            SELECT a.reads_may_write INTO v_kept FROM pgfence.read_audit AS a FOR SHARE;
+    IF EXISTS (SELECT 1 FROM pgfence.read_audit_objects()) THEN
+        IF NOT EXISTS (SELECT 1 FROM pgfence.read_audit AS a
+                       WHERE a.xact = pg_catalog.pg_current_xact_id()) THEN
+            INSERT INTO pgfence.read_audit DEFAULT VALUES;
         END IF;
-        IF NOT v_kept THEN
-            UPDATE pgfence.read_audit SET reads_may_write = true, audited_at = pg_catalog.now();
+        IF pg_catalog.current_setting('transaction_isolation') = 'read committed' THEN
+            -- Older rows are not needed while this one stands (if this transaction rolls
+            -- back, so does the removal).
+            DELETE FROM pgfence.read_audit AS a
+            WHERE a.xact <> pg_catalog.pg_current_xact_id()
+              AND a.ctid IN (SELECT b.ctid FROM pgfence.read_audit AS b FOR UPDATE SKIP LOCKED);
         END IF;
-    ELSIF v_kept AND pg_catalog.current_setting('transaction_isolation') = 'read committed' THEN
-        -- Lowering: waits for the transactions that keep it true, then audits again with a
-        -- snapshot that sees what they committed. (Under the other isolation levels the
-        -- snapshot cannot: the verdict stays true until a later command lowers it.)
-        PERFORM 1 FROM pgfence.read_audit FOR UPDATE;
-        UPDATE pgfence.read_audit
-            SET reads_may_write = EXISTS (SELECT 1 FROM pgfence.read_audit_objects()),
-                audited_at = pg_catalog.now();
+    ELSIF pg_catalog.current_setting('transaction_isolation') = 'read committed' THEN
+        -- Under the other levels a row committed after the snapshot would make the removal
+        -- fail with 40001: the verdict stays true until a later command lowers it.
+        DELETE FROM pgfence.read_audit AS a
+        WHERE a.ctid IN (SELECT b.ctid FROM pgfence.read_audit AS b FOR UPDATE SKIP LOCKED)
+          AND NOT EXISTS (SELECT 1 FROM pgfence.read_audit_objects());
     END IF;
 END
 $audit$;
@@ -872,7 +873,8 @@ BEGIN
             'CREATE TYPE', 'ALTER TYPE', 'DROP TYPE',
             'CREATE VIEW', 'ALTER VIEW', 'DROP VIEW',
             'CREATE TABLE', 'ALTER TABLE', 'CREATE INDEX', 'ALTER INDEX',
-            'CREATE STATISTICS', 'ALTER STATISTICS', 'DROP OWNED')
+            'CREATE STATISTICS', 'ALTER STATISTICS', 'CREATE FOREIGN TABLE',
+            'ALTER FOREIGN TABLE', 'IMPORT FOREIGN SCHEMA', 'DROP OWNED')
         EXECUTE FUNCTION pgfence.audit_reads_on_ddl();
 END
 $trigger$;
@@ -889,16 +891,11 @@ SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET lock_timeout = '1s'
 AS $reads$
-DECLARE
-    v_kept boolean;
 BEGIN
     IF EXISTS (SELECT 1 FROM pg_catalog.pg_event_trigger AS t
                WHERE t.evtname = 'pgfence_read_audit' AND t.evtenabled IN ('O', 'A')
                  AND t.evtfoid = pg_catalog.to_regprocedure('pgfence.audit_reads_on_ddl()')) THEN
-        SELECT a.reads_may_write INTO v_kept FROM pgfence.read_audit AS a;
-        IF FOUND THEN
-            RETURN v_kept;
-        END IF;
+        RETURN EXISTS (SELECT 1 FROM pgfence.read_audit);
     END IF;
     RETURN EXISTS (SELECT 1 FROM pgfence.read_audit_objects());
 END
