@@ -1035,7 +1035,7 @@ async fn the_read_audit_verdict_under_concurrent_ddl() {
         .await
         .unwrap();
     assert!(!read_verdict(&first).await.0);
-    for level in ["READ COMMITTED", "REPEATABLE READ"] {
+    for level in ["READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE"] {
         // Two raises, then two keeps, in concurrent transactions.
         for (a, b) in [("c_a", "c_b"), ("c_c", "c_d")] {
             first
@@ -1052,7 +1052,10 @@ async fn the_read_audit_verdict_under_concurrent_ddl() {
                 ))
                 .await
                 .unwrap_or_else(|e| panic!("{level}: concurrent DDL waited or failed: {e:?}"));
-            first.batch_execute("COMMIT").await.unwrap();
+            first
+                .batch_execute("COMMIT")
+                .await
+                .unwrap_or_else(|e| panic!("{level}: the first DDL failed at COMMIT: {e:?}"));
             assert!(read_verdict(&first).await.0, "{level}");
         }
         first

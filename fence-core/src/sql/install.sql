@@ -816,8 +816,12 @@ BEGIN
         RETURN;
     END IF;
     IF EXISTS (SELECT 1 FROM pgfence.read_audit_objects()) THEN
-        IF NOT EXISTS (SELECT 1 FROM pgfence.read_audit AS a
-                       WHERE a.xact = pg_catalog.pg_current_xact_id()) THEN
+        IF pg_catalog.current_setting('transaction_isolation') = 'serializable' THEN
+            -- A blind insert: reading the table too would make two such transactions a
+            -- serialization failure (40001) for one of them.
+            INSERT INTO pgfence.read_audit DEFAULT VALUES;
+        ELSIF NOT EXISTS (SELECT 1 FROM pgfence.read_audit AS a
+                          WHERE a.xact = pg_catalog.pg_current_xact_id()) THEN
             INSERT INTO pgfence.read_audit DEFAULT VALUES;
         END IF;
         IF pg_catalog.current_setting('transaction_isolation') = 'read committed' THEN
