@@ -138,20 +138,12 @@ impl Session {
         }
     }
 
-    /// Takes what another session of the database learnt lately, instead of asking.
+    /// Takes what another session of the database learnt lately, instead of asking: reads
+    /// are checked only where it said they may write (without the function, they skip as
+    /// the classifier says).
     pub(super) fn take_known_read_audit(&mut self, known: ReadAuditKnown) {
-        if !self.read_audit_asked {
-            return;
-        }
-        match known {
-            ReadAuditKnown::MayWrite(may_write) => {
-                self.read_audit_asked = false;
-                self.tx.check_reads = may_write;
-            }
-            ReadAuditKnown::NoFunction => {
-                self.read_audit_asked = false;
-                self.tx.check_reads = false;
-            }
+        if std::mem::take(&mut self.read_audit_asked) {
+            self.tx.check_reads = known == ReadAuditKnown::MayWrite(true);
         }
     }
 
