@@ -25,6 +25,10 @@
 //!     `classify/words.rs`, unqualified or qualified with `pg_catalog` (`name(` is a call
 //!     unless the grammar makes it something else: a keyword such as `IN (` or `OVER (`, a
 //!     type modifier after `::` or `AS`, a column list after `AS` or of a `WITH` query);
+//!   - no field selection (`(expr).name`, `$1.name`, `a[1].name`: attribute notation
+//!     calls `name(expr)` for a function `name` of one argument of any type), and not
+//!     both a qualified name and a function in a `SELECT`'s `FROM` clause (its alias is
+//!     a scalar, so `g.name` calls `name(g)`; a call in an `ON` condition counts too);
 //!   - no `INTO` (`SELECT INTO` creates a table);
 //!   - no `INSERT`, `UPDATE`, `DELETE` or `MERGE` anywhere (data-modifying `WITH`);
 //!   - no locking clause (`FOR UPDATE`, `FOR NO KEY UPDATE`, `FOR SHARE`, `FOR KEY SHARE`:
@@ -48,7 +52,8 @@
 //! read-skipping off covers them): the text does not show that a view, a row-level security
 //! policy, a domain's `CHECK` constraint, a user-defined operator, cast (implicit ones too,
 //! and those built-ins such as `to_json` apply), aggregate, operator class or type input
-//! function, a function called with attribute notation (`t.full_name`), a user function
+//! function, a function called with attribute notation on a relation's whole row
+//! (`t.full_name`, which the text cannot tell from a column), a user function
 //! that overloads or shadows a listed name (through `search_path`), or an `IMMUTABLE`
 //! function the planner folds for a plain `EXPLAIN` writes. So `ReadOnly` is a claim about
 //! the text, which holds only for schemas without such objects (README, known

@@ -17,7 +17,7 @@ use crate::directive::Directive;
 
 /// Version of the schema created by [`install_sql`], stored in `pgfence.schema_version`.
 /// An installed schema with a higher version makes the install fail instead of downgrading.
-pub const SCHEMA_VERSION: i32 = 8;
+pub const SCHEMA_VERSION: i32 = 9;
 
 /// The install script with placeholders (see the head of the file).
 const INSTALL_TEMPLATE: &str = include_str!("sql/install.sql");

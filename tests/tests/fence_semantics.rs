@@ -1469,6 +1469,64 @@ async fn reads_that_write_through_the_schema_are_checked() {
     }
 }
 
+/// Attribute notation on a value that is not a relation's whole row (`('x').f` is `f('x')`,
+/// `g.f` is `f(g)` for a function `g` in FROM) reaches any function of one argument, which
+/// the read audit (schema version 9) no longer counts: the classifier takes these
+/// statements for calls, so they are checked while plain reads skip the check. Run
+/// directly, each statement writes (so the test can fail: a stale one through pgfence
+/// would commit if it were skipped).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attribute_notation_on_a_value_is_checked() {
+    let fx = Fixture::start(
+        "CREATE TABLE an (tag text);
+         CREATE FUNCTION an_write(tag text) RETURNS boolean LANGUAGE plpgsql
+             AS $$ BEGIN INSERT INTO an VALUES (tag); RETURN true; END $$;",
+        |c| {
+            c.admin.users = vec![SUPERUSER.into()];
+            c.fence.fast_path = false;
+        },
+    )
+    .await;
+    let reads = [
+        "SELECT ('field').an_write",
+        "SELECT (ARRAY['subscript'])[1].an_write",
+        "SELECT g.an_write FROM lower('from') AS g",
+        "SELECT g.an_write FROM ROWS FROM (lower('rows')) AS g",
+    ];
+    for sql in reads {
+        fx.direct.batch_execute(sql).await.unwrap();
+    }
+    let direct_writes = fx.count("an").await;
+    assert_eq!(direct_writes, reads.len() as i64, "each statement writes");
+    let r = "attribute_notation";
+    fx.leader(r, 34)
+        .await
+        .simple("INSERT INTO an VALUES ('leader')")
+        .await
+        .unwrap();
+    // The read audit finds no way in: a plain read skips the check.
+    let before = fx.checks_done().await;
+    fx.leader(r, 33)
+        .await
+        .simple("SELECT count(*) FROM an")
+        .await
+        .unwrap();
+    assert_eq!(fx.checks_done().await, before, "a plain read was checked");
+    let mut stale_session = fx.leader(r, 33).await;
+    for sql in reads {
+        for protocol in [Protocol::Simple, Protocol::Extended] {
+            stale_session
+                .expect_rejection(protocol, &[sql], &stale(r, 33, 34), sql)
+                .await;
+        }
+    }
+    assert_eq!(
+        fx.count("an").await,
+        direct_writes + 1,
+        "a stale write landed"
+    );
+}
+
 /// The read audit follows the schema: reads skip the check while it has no object through
 /// which a read calls a function of its own; a session that starts after a view calling a
 /// writer is created checks them (the stale one is rejected, nothing lands); once the view

@@ -942,9 +942,32 @@ async fn the_read_audit_finds_each_way_a_read_calls_a_function() {
             "DROP FUNCTION a_full(a_t)",
         ),
         (
-            "CREATE FUNCTION a_one(i int, j int DEFAULT 0) RETURNS int LANGUAGE sql AS 'SELECT i'",
-            "function public.a_one(integer,integer) (callable as an attribute, x.a_one)",
-            "DROP FUNCTION a_one(int, int)",
+            "CREATE FUNCTION a_one(r a_t, j int DEFAULT 0) RETURNS int LANGUAGE sql AS 'SELECT 1'",
+            "function public.a_one(public.a_t,integer) (callable as an attribute, x.a_one)",
+            "DROP FUNCTION a_one(a_t, int)",
+        ),
+        (
+            "CREATE FUNCTION a_poly(e anyelement) RETURNS int LANGUAGE sql AS 'SELECT 1'",
+            "function public.a_poly(anyelement) (callable as an attribute, x.a_poly)",
+            "DROP FUNCTION a_poly(anyelement)",
+        ),
+        (
+            "CREATE FUNCTION a_var(VARIADIC e anyarray) RETURNS int LANGUAGE sql AS 'SELECT 1'",
+            "function public.a_var(anyarray) (callable as an attribute, x.a_var)",
+            "DROP FUNCTION a_var(anyarray)",
+        ),
+        (
+            "CREATE DOMAIN a_dt AS a_t;
+             CREATE FUNCTION a_dom(d a_dt) RETURNS int LANGUAGE sql AS 'SELECT 1'",
+            "function public.a_dom(public.a_dt) (callable as an attribute, x.a_dom)",
+            "DROP FUNCTION a_dom(a_dt); DROP DOMAIN a_dt",
+        ),
+        (
+            // t.f is f(t::int) through an implicit cast without a function.
+            "CREATE CAST (a_t AS int) WITH INOUT AS IMPLICIT;
+             CREATE FUNCTION a_int(i int) RETURNS int LANGUAGE sql AS 'SELECT i'",
+            "function public.a_int(integer) (callable as an attribute, x.a_int)",
+            "DROP FUNCTION a_int(int); DROP CAST (a_t AS int)",
         ),
         (
             "CREATE FUNCTION public.upper(i int, j int) RETURNS int LANGUAGE sql AS 'SELECT i'",
@@ -966,6 +989,39 @@ async fn the_read_audit_finds_each_way_a_read_calls_a_function() {
             "after {drop}"
         );
     }
+    // A function of one argument that no relation's whole row can be passed as: only
+    // field selection (`(1).f`) or a function in FROM (`g.f`) reaches it by attribute
+    // notation, which the classifier takes for calls from schema version 9. A proxy of an
+    // earlier version, which does not name its classifier, is told reads may write.
+    client
+        .batch_execute(
+            "CREATE FUNCTION a_scalar(i int, j text DEFAULT '') RETURNS int
+                 LANGUAGE sql AS 'SELECT i'",
+        )
+        .await
+        .unwrap();
+    assert_eq!(read_verdict(&client).await, (false, false, vec![]));
+    let legacy: bool = client
+        .query_one("SELECT pgfence.reads_may_write()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(legacy, "a proxy before version 9 must check reads");
+    let legacy_objects: Vec<String> = client
+        .query("SELECT o FROM pgfence.read_audit_objects(8) AS o", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        legacy_objects,
+        ["function public.a_scalar(integer,text) (callable as an attribute, x.a_scalar)"]
+    );
+    client
+        .batch_execute("DROP FUNCTION a_scalar(int, text)")
+        .await
+        .unwrap();
     // A DDL rolled back leaves the verdict as it was.
     client
         .batch_execute("BEGIN; CREATE VIEW a_v AS SELECT a_text(1, 2) AS t; ROLLBACK")
@@ -1000,8 +1056,13 @@ async fn read_verdict(client: &Client) -> (bool, bool, Vec<String>) {
         .await
         .unwrap()
         .get(0);
+    // The proxy's question (proxy/src/session/read_audit.rs).
     let asked: bool = client
-        .query_one("SELECT pgfence.reads_may_write()", &[])
+        .query_one(
+            "SELECT pgfence.reads_may_write() \
+             FROM pg_catalog.set_config('pgfence.classifier', '9', true) AS s",
+            &[],
+        )
         .await
         .unwrap()
         .get(0);
@@ -1041,14 +1102,14 @@ async fn the_read_audit_verdict_under_concurrent_ddl() {
             first
                 .batch_execute(&format!(
                     "BEGIN ISOLATION LEVEL {level};
-                     CREATE FUNCTION {a}(i int) RETURNS int LANGUAGE sql AS 'SELECT i'"
+                     CREATE FUNCTION {a}(r c_x) RETURNS int LANGUAGE sql AS 'SELECT 1'"
                 ))
                 .await
                 .unwrap();
             second
                 .batch_execute(&format!(
                     "BEGIN ISOLATION LEVEL {level}; SET LOCAL lock_timeout = '2s';
-                     CREATE FUNCTION {b}(i int) RETURNS int LANGUAGE sql AS 'SELECT i'; COMMIT"
+                     CREATE FUNCTION {b}(r c_x) RETURNS int LANGUAGE sql AS 'SELECT 1'; COMMIT"
                 ))
                 .await
                 .unwrap_or_else(|e| panic!("{level}: concurrent DDL waited or failed: {e:?}"));
@@ -1059,14 +1120,14 @@ async fn the_read_audit_verdict_under_concurrent_ddl() {
             assert!(read_verdict(&first).await.0, "{level}");
         }
         first
-            .batch_execute("DROP FUNCTION c_a(int), c_b(int), c_c(int), c_d(int)")
+            .batch_execute("DROP FUNCTION c_a(c_x), c_b(c_x), c_c(c_x), c_d(c_x)")
             .await
             .unwrap();
     }
     // A transaction keeps the verdict true by a view it adds, while another drops the only
     // object it can see: the lowering goes through at once, and the verdict stays true.
     first
-        .batch_execute("CREATE FUNCTION c_one(i int) RETURNS int LANGUAGE sql AS 'SELECT i'")
+        .batch_execute("CREATE FUNCTION c_one(r c_x) RETURNS int LANGUAGE sql AS 'SELECT 1'")
         .await
         .unwrap();
     first
@@ -1076,7 +1137,7 @@ async fn the_read_audit_verdict_under_concurrent_ddl() {
     second
         .batch_execute(
             "BEGIN; SET LOCAL lock_timeout = '2s'; ALTER TABLE c_x ADD COLUMN b int;
-             DROP FUNCTION c_one(int)",
+             DROP FUNCTION c_one(c_x)",
         )
         .await
         .unwrap_or_else(|e| panic!("the lowering waited: {e:?}"));

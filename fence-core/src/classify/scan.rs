@@ -19,6 +19,10 @@ const QUERY_WORD_LEN: usize = 6;
 struct Seen {
     /// A call to a function that is not on the allowlist.
     call: bool,
+    /// A function in a `SELECT`'s `FROM` clause (see [`Scan::note_clause`]).
+    from_function: bool,
+    /// A qualified name, `a.b` (a column, or attribute notation's call `f(a)`).
+    qualified: bool,
     into: bool,
     /// `INSERT`, `UPDATE`, `DELETE` or `MERGE`.
     dml: bool,
@@ -35,6 +39,35 @@ struct Seen {
     /// `WITH HOLD` outside parentheses (`DECLARE name CURSOR WITH HOLD`; a `WITH` query
     /// named `hold` sets it too, which only keeps pgfence's check).
     with_hold: bool,
+}
+
+/// One bit per parenthesis depth below 64 (deeper counts as every bit set).
+#[derive(Debug, Clone, Copy, Default)]
+struct Depths(u64);
+
+impl Depths {
+    fn set(&mut self, depth: u32) {
+        if depth < 64 {
+            self.0 |= 1 << depth;
+        }
+    }
+
+    fn clear(&mut self, depth: u32) {
+        if depth < 64 {
+            self.0 &= !(1 << depth);
+        }
+    }
+
+    fn has(self, depth: u32) -> bool {
+        depth >= 64 || self.0 & (1 << depth) != 0
+    }
+
+    /// Forgets the depths deeper than `depth` (their parentheses closed).
+    fn close_above(&mut self, depth: u32) {
+        if depth < 63 {
+            self.0 &= (1 << (depth + 1)) - 1;
+        }
+    }
 }
 
 /// Deciding whether `name(...)` was a call or the column list of a `WITH` query:
@@ -76,6 +109,11 @@ pub(super) struct Scan<'a> {
     prev_at: usize,
     seen: Seen,
     columns: MaybeColumns,
+    /// Depths with a `SELECT`, and those inside its `FROM` clause (until a `WHERE`,
+    /// `GROUP`, ... at that depth): a call there is a function in `FROM` (see
+    /// [`Self::note_lparen`]).
+    selects: Depths,
+    from_clauses: Depths,
     /// The first word alone decides the kind (see [`head_decides`]): the rest of the
     /// statement is only followed for where it ends.
     head_decides: bool,
@@ -119,6 +157,8 @@ impl<'a> Scan<'a> {
             prev_at: 0,
             seen: Seen::default(),
             columns: MaybeColumns::No,
+            selects: Depths::default(),
+            from_clauses: Depths::default(),
             head_decides: false,
             query: false,
             block_head: BlockHead::Other,
@@ -136,6 +176,8 @@ impl<'a> Scan<'a> {
         self.prev = [None; 4];
         self.seen = Seen::default();
         self.columns = MaybeColumns::No;
+        self.selects = Depths::default();
+        self.from_clauses = Depths::default();
         self.head_decides = false;
         self.query = false;
         self.block_head = BlockHead::Other;
@@ -273,8 +315,57 @@ impl<'a> Scan<'a> {
     fn note(&mut self, tok: Tok, lower: &[u8]) {
         self.advance_columns(tok, lower);
         match tok.kind {
-            TokKind::Ident => self.note_word(lower),
+            TokKind::Ident => {
+                self.note_qualified();
+                self.note_clause(lower);
+                self.note_word(lower);
+            }
+            TokKind::QuotedIdent => self.note_qualified(),
             TokKind::LParen => self.note_lparen(),
+            _ => {}
+        }
+    }
+
+    /// A name after a `.`. After `).`, `].` or `$1.` it selects a field, or calls a
+    /// function of one argument of any type: `(1).f` is `f(1)` (PostgreSQL's attribute
+    /// notation). After a name, it is a column or a call on a whole row (`t.f` is `f(t)`);
+    /// or on a scalar, where `t` names a function in `FROM` (see [`Self::note_clause`]).
+    /// The read audit leaves these calls to the classifier, but for functions that can take
+    /// a relation's whole row.
+    fn note_qualified(&mut self) {
+        if !self.prev_is_byte(0, b".") {
+            return;
+        }
+        match self.prev(1).map(|t| t.kind) {
+            Some(TokKind::RParen | TokKind::Param) => self.seen.call = true,
+            Some(TokKind::Other) if self.prev_is_byte(1, b"]") => self.seen.call = true,
+            Some(TokKind::Ident | TokKind::QuotedIdent) => self.seen.qualified = true,
+            _ => {}
+        }
+    }
+
+    /// Follows the `FROM` clauses of `SELECT`s. A function in `FROM` that returns a scalar
+    /// makes its alias that scalar (`FROM generate_series(1, 2) AS g`), so `g.f` calls
+    /// `f(integer)`: attribute notation again. A statement with both a function in `FROM`
+    /// and a qualified name is taken to call a function.
+    fn note_clause(&mut self, w: &[u8]) {
+        // `t.where`, `AS where`: names. (The words below are reserved: nothing else.)
+        if self.prev_is_byte(0, b".") || self.prev_is_keyword(0, "as") {
+            return;
+        }
+        match w {
+            b"select" => {
+                self.selects.set(self.depth);
+                self.from_clauses.clear(self.depth);
+            }
+            // `ROWS FROM (f(), g())`: functions in `FROM`, inside parentheses of their own.
+            b"from" if self.prev_is_keyword(0, "rows") => self.seen.from_function = true,
+            // Not `extract(x FROM y)`, `substring(x FROM 2)`, `a IS DISTINCT FROM b`.
+            b"from" if self.selects.has(self.depth) && !self.prev_is_keyword(0, "distinct") => {
+                self.from_clauses.set(self.depth);
+            }
+            b"where" | b"group" | b"having" | b"window" | b"order" | b"limit" | b"offset"
+            | b"fetch" | b"for" | b"union" | b"except" => self.from_clauses.clear(self.depth),
             _ => {}
         }
     }
@@ -286,6 +377,8 @@ impl<'a> Scan<'a> {
             TokKind::LParen => self.depth += 1,
             TokKind::RParen => {
                 self.depth = self.depth.saturating_sub(1);
+                self.selects.close_above(self.depth);
+                self.from_clauses.close_above(self.depth);
                 if self.columns == (MaybeColumns::List { depth: self.depth }) {
                     self.columns = MaybeColumns::AfterList;
                 }
@@ -382,6 +475,16 @@ impl<'a> Scan<'a> {
             _ => Call::Grammar,
         };
         match call {
+            // A function in `FROM` (see `note_clause`), or an `ON` condition's, which
+            // costs only a check.
+            Call::Allowed if self.from_clauses.has(self.depth) => {
+                self.seen.from_function = true;
+            }
+            // `FROM (generate_series(1, 2) AS g JOIN t ON true)`: the parentheses go on
+            // with the clause (until a `SELECT` in them starts a query of its own).
+            Call::Grammar if self.from_clauses.has(self.depth) => {
+                self.from_clauses.set(self.depth + 1);
+            }
             Call::Grammar | Call::Allowed => {}
             Call::Unknown => self.seen.call = true,
             Call::MaybeColumns => match self.columns {
@@ -545,7 +648,7 @@ impl<'a> Scan<'a> {
         if self.n_tokens == 0 {
             return None;
         }
-        if self.columns != MaybeColumns::No {
+        if self.columns != MaybeColumns::No || (self.seen.from_function && self.seen.qualified) {
             self.seen.call = true;
         }
         Some(Statement {

@@ -298,6 +298,111 @@ fn writing_selects() {
     ]);
 }
 
+/// Attribute notation on a value that is not a relation's whole row calls a function of
+/// any one argument (`(1).f` is `f(1)`), which the read audit leaves to the classifier
+/// (README, "Reads that write through the schema").
+#[test]
+fn attribute_notation_on_a_value() {
+    check(&[
+        // Field selection: a field, or a call.
+        ("SELECT (1).f", MayWrite),
+        ("SELECT (t).f FROM t", MayWrite),
+        ("SELECT (t) . \"F\" FROM t", MayWrite),
+        ("SELECT (x /* c */).f FROM t", MayWrite),
+        ("SELECT $1.f", MayWrite),
+        ("SELECT (ARRAY[1, 2])[1].f", MayWrite),
+        ("SELECT a.arr[1].f FROM a", MayWrite),
+        ("SELECT x FROM t WHERE (SELECT 1).f > 0", MayWrite),
+        ("COPY (SELECT (1).f) TO STDOUT", MayWrite),
+        ("EXPLAIN SELECT (1).f", MayWrite),
+        // A function in FROM makes its alias a scalar: `g.f` is `f(g)`.
+        ("SELECT g.f FROM generate_series(1, 2) g", MayWrite),
+        (
+            "SELECT g.f FROM pg_catalog.generate_series(1, 2) AS g",
+            MayWrite,
+        ),
+        ("SELECT g.f FROM \"generate_series\"(1, 2) g", MayWrite),
+        (
+            "SELECT g.f FROM ROWS FROM (generate_series(1, 2)) g",
+            MayWrite,
+        ),
+        ("SELECT * FROM t, unnest(t.a) u", MayWrite),
+        (
+            "SELECT u.f FROM t JOIN LATERAL unnest(t.a) u ON true",
+            MayWrite,
+        ),
+        (
+            "SELECT u.x FROM t CROSS JOIN unnest($1::int[]) AS u(x)",
+            MayWrite,
+        ),
+        (
+            "SELECT * FROM t JOIN u ON t.a = u.a, generate_series(1, 2) g WHERE g.f",
+            MayWrite,
+        ),
+        (
+            "SELECT 1 FROM t WHERE t.a IN (SELECT g.f FROM generate_series(1, 2) g)",
+            MayWrite,
+        ),
+        (
+            "WITH s AS (SELECT * FROM lower('a') l) SELECT s.l FROM s",
+            MayWrite,
+        ),
+        (
+            "SELECT g.f FROM (generate_series(1, 2) AS g CROSS JOIN t)",
+            MayWrite,
+        ),
+        (
+            "SELECT g.f FROM t, (u JOIN (generate_series(1, 2) g) ON true)",
+            MayWrite,
+        ),
+        // `t.where`, `t.fetch` are names, not the end of the FROM clause.
+        (
+            "SELECT 1 FROM t JOIN u ON t.where = u.fetch, generate_series(1, 2) g WHERE g.f",
+            MayWrite,
+        ),
+        // An `ON` condition's call counts as a function in FROM (only costs a check).
+        (
+            "SELECT t.a FROM t JOIN u ON lower(t.a) = lower(u.a)",
+            MayWrite,
+        ),
+    ]);
+    check(&[
+        // Not field selection.
+        ("SELECT (t).* FROM t", ReadOnly),
+        ("SELECT (1).5", ReadOnly),
+        ("SELECT t.a, t.* FROM t", ReadOnly),
+        ("SELECT $1, ($2)", ReadOnly),
+        // A function in FROM with no qualified name, or one outside FROM.
+        ("SELECT * FROM generate_series(1, 10) AS g(i)", ReadOnly),
+        ("SELECT * FROM unnest($1::int[]) AS u(id)", ReadOnly),
+        (
+            "SELECT * FROM t TABLESAMPLE bernoulli (10) REPEATABLE (42)",
+            ReadOnly,
+        ),
+        (
+            "SELECT lower(t.a), extract(epoch FROM now()), substring(t.b FROM lower('x')) \
+             FROM t WHERE t.c = lower($1) GROUP BY lower(t.d) ORDER BY upper(t.e)",
+            ReadOnly,
+        ),
+        (
+            "SELECT t.a FROM t WHERE t.b IS DISTINCT FROM lower($1) LIMIT abs($2)",
+            ReadOnly,
+        ),
+        (
+            "SELECT t.a FROM t WHERE t.b IN (SELECT u.b FROM u WHERE u.c = lower($1))",
+            ReadOnly,
+        ),
+        (
+            "SELECT t.a FROM (SELECT * FROM u) t, v WHERE t.a = v.a AND lower(v.b) = 'x'",
+            ReadOnly,
+        ),
+        (
+            "SELECT s.a FROM (SELECT lower(u.b) AS a FROM u) AS s",
+            ReadOnly,
+        ),
+    ]);
+}
+
 #[test]
 fn other_read_only_statements() {
     check(&[

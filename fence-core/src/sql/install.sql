@@ -608,7 +608,12 @@ COMMENT ON FUNCTION pgfence.fast_reject(text, bigint, bigint) IS
 -- Objects through which a statement the classifier takes for a read may call a function
 -- that is not a built-in (nor an extension's, nor pgfence's own), or a built-in that
 -- writes (large objects, transaction ids, the *_to_xml functions that run a query).
-CREATE OR REPLACE FUNCTION pgfence.read_audit_objects()
+-- p_classifier: the schema version whose classifier the asking proxy has. From version 9
+-- the classifier takes field selection (`(1).f`, `$1.f`) and a qualified name next to a
+-- function in FROM (`g.f` with `generate_series(1, 2) AS g`) for calls, so attribute
+-- notation can reach only functions that take a relation's whole row; before it, any
+-- function of one argument.
+CREATE OR REPLACE FUNCTION pgfence.read_audit_objects(p_classifier integer)
 RETURNS SETOF text
 LANGUAGE plpgsql
 STABLE
@@ -618,7 +623,7 @@ BEGIN
 -- PL/pgSQL rather than SQL: the plan is kept for the session (planning it takes longer than
 -- running it), so the event trigger pays it once per session that runs DDL.
 RETURN QUERY
-WITH writing_builtin AS (
+WITH RECURSIVE writing_builtin AS (
     -- Built-ins that write, or run a query given as text.
     SELECT p.oid, p.prosrc FROM pg_catalog.pg_proc AS p
     WHERE p.oid < 16384
@@ -655,6 +660,37 @@ WITH writing_builtin AS (
     SELECT ':(funcid|opfuncid|aggfnoid|winfnoid) (' || pg_catalog.string_agg(oid::text, '|')
            || ')\M' AS pattern
     FROM writing_builtin
+), one_arg AS (
+    -- Functions of one required argument: attribute notation calls them (see the end).
+    SELECT p.oid, p.proname, p.proargtypes[0] AS arg, p.provariadic
+    FROM pg_catalog.pg_proc AS p
+    WHERE p.oid IN (SELECT oid FROM user_fn)
+      AND p.pronargs >= 1 AND p.pronargs - p.pronargdefaults <= 1
+      AND p.prokind IN ('f', 'a', 'w')
+), coercion(source, target) AS (
+    -- A value of type source is passed as target without a word in the text: a domain
+    -- over it, or an implicit cast (CREATE CAST ... AS IMPLICIT).
+    SELECT d.typbasetype, d.oid FROM pg_catalog.pg_type AS d WHERE d.typtype = 'd'
+    UNION ALL
+    SELECT c.castsource, c.casttarget FROM pg_catalog.pg_cast AS c WHERE c.castcontext = 'i'
+), arg_source(arg, source) AS (
+    -- The types each one_arg function's argument (or variadic element) takes, walking the
+    -- coercions back: few functions, few steps (a scan over all types took 190 ms).
+    SELECT a.arg, a.arg FROM one_arg AS a
+    UNION
+    SELECT a.provariadic, a.provariadic FROM one_arg AS a WHERE a.provariadic <> 0
+    UNION
+    SELECT s.arg, c.source FROM arg_source AS s JOIN coercion AS c ON c.target = s.source
+), row_arg AS (
+    -- Argument types a relation's whole row is passed as (t.f is f(t)): those that take a
+    -- composite type, record, or any type (the polymorphic ones that take a row).
+    SELECT s.arg AS oid FROM arg_source AS s JOIN pg_catalog.pg_type AS t ON t.oid = s.source
+    WHERE t.typtype = 'c'
+       OR t.oid IN ('pg_catalog.record'::pg_catalog.regtype, 'pg_catalog."any"'::pg_catalog.regtype,
+                    'pg_catalog.anyelement'::pg_catalog.regtype,
+                    'pg_catalog.anynonarray'::pg_catalog.regtype,
+                    'pg_catalog.anycompatible'::pg_catalog.regtype,
+                    'pg_catalog.anycompatiblenonarray'::pg_catalog.regtype)
 ), temp_rel AS (
     -- Temporary relations: only their own session reads through them.
     SELECT k.oid FROM pg_catalog.pg_class AS k WHERE k.relpersistence = 't'
@@ -763,15 +799,28 @@ SELECT 'function ' || p.oid::regprocedure::text || ' (a built-in''s name)'
   WHERE p.oid IN (SELECT oid FROM user_fn)
     AND EXISTS (SELECT 1 FROM pg_catalog.pg_proc AS b WHERE b.proname = p.proname AND b.oid < 16384)
 UNION
--- Attribute notation calls a function of one argument, whatever its type: (1).f is f(1).
-SELECT 'function ' || p.oid::regprocedure::text || ' (callable as an attribute, x.'
-       || pg_catalog.quote_ident(p.proname) || ')'
-  FROM pg_catalog.pg_proc AS p
-  WHERE p.oid IN (SELECT oid FROM user_fn)
-    AND p.pronargs >= 1 AND p.pronargs - p.pronargdefaults <= 1
-    AND p.prokind IN ('f', 'a', 'w')
+-- Attribute notation calls a function of one argument: t.f is f(t), for a relation t whose
+-- whole row the function takes (the classifier cannot tell it from a column), and (1).f is
+-- f(1) whatever the type (the classifier takes that for a call from version 9).
+SELECT 'function ' || a.oid::regprocedure::text || ' (callable as an attribute, x.'
+       || pg_catalog.quote_ident(a.proname) || ')'
+  FROM one_arg AS a
+  WHERE p_classifier < 9 OR a.arg IN (SELECT oid FROM row_arg)
+     OR a.provariadic IN (SELECT oid FROM row_arg)
 ORDER BY 1;
 END
+$objects$;
+
+COMMENT ON FUNCTION pgfence.read_audit_objects(integer) IS
+    'pgfence: objects through which a statement the proxy takes for a read may call a function of this database''s own, for a proxy whose classifier is of the given schema version.';
+
+CREATE OR REPLACE FUNCTION pgfence.read_audit_objects()
+RETURNS SETOF text
+LANGUAGE sql
+STABLE
+SET search_path = pg_catalog, pg_temp
+AS $objects$
+    SELECT * FROM pgfence.read_audit_objects(9)
 $objects$;
 
 COMMENT ON FUNCTION pgfence.read_audit_objects() IS
@@ -793,7 +842,7 @@ CREATE TABLE IF NOT EXISTS pgfence.read_audit (
 DELETE FROM pgfence.read_audit;
 INSERT INTO pgfence.read_audit (xact, raised_at)
 SELECT pg_catalog.pg_current_xact_id(), pg_catalog.now()
-WHERE EXISTS (SELECT 1 FROM pgfence.read_audit_objects());
+WHERE EXISTS (SELECT 1 FROM pgfence.read_audit_objects(9));
 
 -- Runs as the owner (the DDL's user may not write pgfence's tables).
 CREATE OR REPLACE FUNCTION pgfence.audit_reads_on_ddl()
@@ -804,7 +853,7 @@ SET search_path = pg_catalog, pg_temp
 AS $audit$
 BEGIN
     IF pg_catalog.to_regclass('pgfence.read_audit') IS NULL
-       OR pg_catalog.to_regprocedure('pgfence.read_audit_objects()') IS NULL THEN
+       OR pg_catalog.to_regprocedure('pgfence.read_audit_objects(integer)') IS NULL THEN
         RETURN;
     END IF;
     -- Temporary tables and their indexes: applications create them often, and they give
@@ -815,7 +864,7 @@ BEGIN
                        WHERE c.schema_name IS DISTINCT FROM 'pg_temp') THEN
         RETURN;
     END IF;
-    IF EXISTS (SELECT 1 FROM pgfence.read_audit_objects()) THEN
+    IF EXISTS (SELECT 1 FROM pgfence.read_audit_objects(9)) THEN
         IF pg_catalog.current_setting('transaction_isolation') = 'serializable' THEN
             -- A blind insert: reading the table too would make two such transactions a
             -- serialization failure (40001) for one of them.
@@ -836,7 +885,7 @@ BEGIN
         -- fail with 40001: the verdict stays true until a later command lowers it.
         DELETE FROM pgfence.read_audit AS a
         WHERE a.ctid IN (SELECT b.ctid FROM pgfence.read_audit AS b FOR UPDATE SKIP LOCKED)
-          AND NOT EXISTS (SELECT 1 FROM pgfence.read_audit_objects());
+          AND NOT EXISTS (SELECT 1 FROM pgfence.read_audit_objects(9));
     END IF;
 END
 $audit$;
@@ -887,6 +936,13 @@ $trigger$;
 -- keeps it, else a fresh audit. A lock on the table (VACUUM FULL, LOCK TABLE) makes it fail
 -- after a second rather than hold the client's login; the proxy then checks that session's
 -- reads.
+--
+-- The asking proxy's classifier is named by the setting pgfence.classifier, which proxies
+-- from schema version 9 set for the question alone (`SELECT pgfence.reads_may_write() FROM
+-- pg_catalog.set_config('pgfence.classifier', '9', true)`: a schema of version 8 ignores
+-- it). A proxy that does not set it has an older classifier, and gets the answer for it:
+-- a kept verdict of false is audited again, live, with every function of one argument
+-- counted.
 CREATE OR REPLACE FUNCTION pgfence.reads_may_write()
 RETURNS boolean
 LANGUAGE plpgsql
@@ -895,13 +951,23 @@ SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET lock_timeout = '1s'
 AS $reads$
+DECLARE
+    v_setting text := pg_catalog.current_setting('pgfence.classifier', true);
+    v_classifier integer := 8;
 BEGIN
+    IF v_setting ~ '^[0-9]{1,6}$' THEN
+        v_classifier := v_setting::integer;
+    END IF;
     IF EXISTS (SELECT 1 FROM pg_catalog.pg_event_trigger AS t
                WHERE t.evtname = 'pgfence_read_audit' AND t.evtenabled IN ('O', 'A')
                  AND t.evtfoid = pg_catalog.to_regprocedure('pgfence.audit_reads_on_ddl()')) THEN
-        RETURN EXISTS (SELECT 1 FROM pgfence.read_audit);
+        IF EXISTS (SELECT 1 FROM pgfence.read_audit) THEN
+            RETURN true;
+        ELSIF v_classifier >= 9 THEN
+            RETURN false;
+        END IF;
     END IF;
-    RETURN EXISTS (SELECT 1 FROM pgfence.read_audit_objects());
+    RETURN EXISTS (SELECT 1 FROM pgfence.read_audit_objects(v_classifier));
 END
 $reads$;
 
@@ -921,6 +987,7 @@ REVOKE ALL ON FUNCTION pgfence.check(text[], text[], text, text[], text, boolean
                        pgfence.guard_history(),
                        pgfence.audit_reads_on_ddl(),
                        pgfence.reads_may_write(),
+                       pgfence.read_audit_objects(integer),
                        pgfence.read_audit_objects()
     FROM PUBLIC;
 
@@ -929,6 +996,7 @@ GRANT EXECUTE ON FUNCTION pgfence.check(text[], text[], text, text[], text, bool
     pgfence.check_write(text[], text[], text, text[], text, boolean),
                           pgfence.fast_reject(text, bigint, bigint),
                           pgfence.reads_may_write(),
+                          pgfence.read_audit_objects(integer),
                           pgfence.read_audit_objects()
     TO __PGFENCE_GRANTEE__;
 GRANT SELECT ON TABLE pgfence.fences, pgfence.history, pgfence.schema_version,
