@@ -350,7 +350,7 @@ pub struct Fence {
     pub skip_read_only: bool,
     /// With `skip_read_only`, skip reads' checks only in a database whose schema gives no
     /// read a way to call a function of its own (a view, row-level security policy, domain,
-    /// operator, cast, ... through one): pgfence asks `pgfence.reads_may_write()` when a
+    /// operator, cast, ... through one): pgfence asks `pgfence.reads_may_write(9)` when a
     /// client session starts, and checks every transaction of the session when it says
     /// true. `false` trusts the classifier alone (a read that writes through such an object
     /// then commits unchecked). Default `true`.

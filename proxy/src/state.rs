@@ -35,29 +35,33 @@ pub struct Shared {
     source: Mutex<Option<Source>>,
     /// What was already logged once per database: (what, database).
     reported: Mutex<std::collections::HashSet<(&'static str, String)>>,
-    /// What sessions learnt of each database from `pgfence.reads_may_write()`, and when.
+    /// What sessions learnt of each database from `pgfence.reads_may_write(9)`, and when.
     read_audit: Mutex<std::collections::HashMap<String, (std::time::Instant, ReadAuditKnown)>>,
     /// Some database in `read_audit` is known to lack the function.
     read_audit_missing: AtomicBool,
 }
 
-/// How long sessions in a database found without `pgfence.reads_may_write()` skip the
-/// question (and reads skip the check as the classifier says), unless a check runs there
-/// first: each question would log an error on the server.
+/// How long sessions in a database found without schema pgfence (reads skip the check as
+/// the classifier says, unless a check runs there first) or with one older than version 9
+/// (every transaction is checked) skip the question: each would log an error on the
+/// server.
 pub const READ_AUDIT_RETRY: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// How long sessions starting in a database take another session's answer of
-/// `pgfence.reads_may_write()` rather than asking (a client that connects for each
+/// `pgfence.reads_may_write(9)` rather than asking (a client that connects for each
 /// transaction would otherwise pay the question each time).
 pub const READ_AUDIT_REUSE: std::time::Duration = std::time::Duration::from_secs(1);
 
-/// What is known of a database's `pgfence.reads_may_write()`.
+/// What is known of a database's `pgfence.reads_may_write(9)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReadAuditKnown {
     /// Its answer.
     MayWrite(bool),
-    /// The function (or schema pgfence) is missing.
+    /// Schema pgfence is missing (or the function, where the schema was found too old).
     NoFunction,
+    /// Schema pgfence is older than version 9 (no `pgfence.reads_may_write(integer)`):
+    /// reads are checked.
+    OldSchema,
 }
 
 /// Counts a session as active while it lives.
@@ -113,7 +117,7 @@ impl Shared {
             .insert((what, database.to_string()))
     }
 
-    /// What a session starting now may take as the answer of `pgfence.reads_may_write()`
+    /// What a session starting now may take as the answer of `pgfence.reads_may_write(9)`
     /// in `database`, without asking: an answer given less than [`READ_AUDIT_REUSE`] ago,
     /// or the lack of the function found less than [`READ_AUDIT_RETRY`] ago.
     pub fn known_read_audit(&self, database: &str) -> Option<ReadAuditKnown> {
@@ -124,7 +128,7 @@ impl Shared {
         let &(at, known) = map.get(database)?;
         let fresh_for = match known {
             ReadAuditKnown::MayWrite(_) => READ_AUDIT_REUSE,
-            ReadAuditKnown::NoFunction => READ_AUDIT_RETRY,
+            ReadAuditKnown::NoFunction | ReadAuditKnown::OldSchema => READ_AUDIT_RETRY,
         };
         (at.elapsed() < fresh_for).then_some(known)
     }
@@ -140,9 +144,9 @@ impl Shared {
             .insert(database.to_string(), (std::time::Instant::now(), known));
     }
 
-    /// A check ran in `database`, so schema pgfence is there now: a lack of
-    /// `pgfence.reads_may_write()` found earlier is asked about again at the next session
-    /// start (one relaxed load unless some database was found without it).
+    /// A check ran in `database`, so schema pgfence is there now: a lack of it found
+    /// earlier is asked about again at the next session start (one relaxed load unless
+    /// some database was found without it).
     #[inline]
     pub fn check_ran(&self, database: &str) {
         if self.read_audit_missing.load(Ordering::Relaxed) {

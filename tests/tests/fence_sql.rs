@@ -992,7 +992,7 @@ async fn the_read_audit_finds_each_way_a_read_calls_a_function() {
     // A function of one argument that no relation's whole row can be passed as: only
     // field selection (`(1).f`) or a function in FROM (`g.f`) reaches it by attribute
     // notation, which the classifier takes for calls from schema version 9. A proxy of an
-    // earlier version, which does not name its classifier, is told reads may write.
+    // earlier version asks `pgfence.reads_may_write()`, and is told reads may write.
     client
         .batch_execute(
             "CREATE FUNCTION a_scalar(i int, j text DEFAULT '') RETURNS int
@@ -1058,11 +1058,7 @@ async fn read_verdict(client: &Client) -> (bool, bool, Vec<String>) {
         .get(0);
     // The proxy's question (proxy/src/session/read_audit.rs).
     let asked: bool = client
-        .query_one(
-            "SELECT pgfence.reads_may_write() \
-             FROM pg_catalog.set_config('pgfence.classifier', '9', true) AS s",
-            &[],
-        )
+        .query_one("SELECT pgfence.reads_may_write(9)", &[])
         .await
         .unwrap()
         .get(0);

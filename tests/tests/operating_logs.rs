@@ -579,30 +579,53 @@ async fn a_database_without_the_schema_says_how_to_install_it() {
     }
     let asked = cluster
         .server_log()
-        .matches("SELECT pgfence.reads_may_write()")
+        .matches("SELECT pgfence.reads_may_write(9)")
         .count();
     assert_eq!(asked, 1, "{}", cluster.server_log());
 }
 
-/// A schema older than version 8 (here: without `pgfence.reads_may_write()`) cannot say
-/// whether reads may write: one WARN per database names the SQLSTATE and the fix; reads
-/// skip the check as the classifier says, and writes are still fenced.
+/// A schema older than version 9 (here: without `pgfence.reads_may_write(integer)`) cannot
+/// answer for this pgfence's classifier: every transaction is checked, reads too, and one
+/// WARN per database names the SQLSTATE and the fix.
 #[tokio::test]
-async fn a_schema_without_the_read_audit_is_reported_once() {
+async fn a_schema_older_than_version_9_checks_reads_and_is_reported_once() {
     let cluster = cluster_with_ledger().await;
     let direct = cluster.connect(APP_DB).await;
     direct
-        .batch_execute("DROP FUNCTION pgfence.reads_may_write()")
+        .batch_execute("DROP FUNCTION pgfence.reads_may_write(integer)")
         .await
         .expect("drop the function");
+    let mut config = config(&cluster);
+    config.admin.users = vec![SUPERUSER.into()];
     let proxy = ProxyProcess::builder()
-        .config(config(&cluster))
+        .config(config)
         .args(["--config", "{config}", "--log-format", "json"])
         .env("RUST_LOG", "info")
         .start();
+    let admin = harness::connect_to(&format!(
+        "host=127.0.0.1 port={} user={SUPERUSER} dbname=pgfence",
+        proxy.addr().port()
+    ))
+    .await;
+    let checks_done = || async {
+        let stats = admin.simple_query("SHOW STATS").await.expect("SHOW STATS");
+        stats
+            .iter()
+            .find_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(row)
+                    if row.get(0) == Some("fence_checks") =>
+                {
+                    row.get(1).map(|v| v.parse::<u64>().expect("a count"))
+                }
+                _ => None,
+            })
+            .expect("fence_checks")
+    };
     for n in 0..3 {
         let (client, _) = session(proxy.addr(), &format!("reader {n}"), "-c fencing.token=5").await;
+        let before = checks_done().await;
         client.simple_query("SELECT 1").await.expect("reads go on");
+        assert_eq!(checks_done().await, before + 1, "the read was not checked");
         client
             .batch_execute(&insert(n, "fenced"))
             .await
@@ -615,7 +638,7 @@ async fn a_schema_without_the_read_audit_is_reported_once() {
     let warned: Vec<Event> = json_events(&logs)
         .into_iter()
         .filter(|e| level(e) == "WARN" && str_field(e, "database") == APP_DB)
-        .filter(|e| message(e).contains("cannot ask whether reads may write"))
+        .filter(|e| message(e).contains("older than version 9"))
         .collect();
     assert_eq!(warned.len(), 1, "one WARN for the database:\n{logs}");
     assert_eq!(
@@ -625,7 +648,7 @@ async fn a_schema_without_the_read_audit_is_reported_once() {
         warned[0]
     );
     assert!(
-        message(&warned[0]).contains(&format!("run `pgfence install --database {APP_DB}`")),
+        message(&warned[0]).contains(&format!("`pgfence install --database {APP_DB}`")),
         "{:?}",
         warned[0]
     );

@@ -317,7 +317,7 @@ impl<'a> Scan<'a> {
         match tok.kind {
             TokKind::Ident => {
                 self.note_qualified();
-                self.note_clause(lower);
+                self.note_clause(tok, lower);
                 self.note_word(lower);
             }
             TokKind::QuotedIdent => self.note_qualified(),
@@ -348,20 +348,31 @@ impl<'a> Scan<'a> {
     /// makes its alias that scalar (`FROM generate_series(1, 2) AS g`), so `g.f` calls
     /// `f(integer)`: attribute notation again. A statement with both a function in `FROM`
     /// and a qualified name is taken to call a function.
-    fn note_clause(&mut self, w: &[u8]) {
+    fn note_clause(&mut self, tok: Tok, w: &[u8]) {
         // `t.where`, `AS where`: names. (The words below are reserved: nothing else.)
         if self.prev_is_byte(0, b".") || self.prev_is_keyword(0, "as") {
             return;
+        }
+        if self.from_clauses.has(self.depth) && is_value_function(self.text(tok)) {
+            // `FROM current_date AS g`: a function without parentheses.
+            self.seen.from_function = true;
         }
         match w {
             b"select" => {
                 self.selects.set(self.depth);
                 self.from_clauses.clear(self.depth);
             }
+            // `FROM (VALUES (1), (2)) AS v(a)`: rows of expressions, not of `FROM` items.
+            b"values" => self.from_clauses.clear(self.depth),
             // `ROWS FROM (f(), g())`: functions in `FROM`, inside parentheses of their own.
             b"from" if self.prev_is_keyword(0, "rows") => self.seen.from_function = true,
-            // Not `extract(x FROM y)`, `substring(x FROM 2)`, `a IS DISTINCT FROM b`.
-            b"from" if self.selects.has(self.depth) && !self.prev_is_keyword(0, "distinct") => {
+            // Not `extract(x FROM y)`, `substring(x FROM 2)` (no `SELECT` at their depth),
+            // nor `a IS [NOT] DISTINCT FROM b` (but `1 AS distinct FROM`).
+            b"from"
+                if self.selects.has(self.depth)
+                    && !(self.prev_is_keyword(0, "distinct")
+                        && (self.prev_is_keyword(1, "is") || self.prev_is_keyword(1, "not"))) =>
+            {
                 self.from_clauses.set(self.depth);
             }
             b"where" | b"group" | b"having" | b"window" | b"order" | b"limit" | b"offset"
@@ -469,28 +480,50 @@ impl<'a> Scan<'a> {
                 return;
             }
         }
+        if self.from_clauses.has(self.depth) {
+            self.note_from_lparen(name);
+        }
         let call = match name.kind {
             TokKind::Ident => self.ident_call(name),
             TokKind::QuotedIdent => self.quoted_call(name),
             _ => Call::Grammar,
         };
         match call {
-            // A function in `FROM` (see `note_clause`), or an `ON` condition's, which
-            // costs only a check.
-            Call::Allowed if self.from_clauses.has(self.depth) => {
-                self.seen.from_function = true;
-            }
-            // `FROM (generate_series(1, 2) AS g JOIN t ON true)`: the parentheses go on
-            // with the clause (until a `SELECT` in them starts a query of its own).
-            Call::Grammar if self.from_clauses.has(self.depth) => {
-                self.from_clauses.set(self.depth + 1);
-            }
             Call::Grammar | Call::Allowed => {}
             Call::Unknown => self.seen.call = true,
             Call::MaybeColumns => match self.columns {
                 MaybeColumns::No => self.columns = MaybeColumns::List { depth: self.depth },
                 _ => self.seen.call = true,
             },
+        }
+    }
+
+    /// A `(` after `name` in a `FROM` clause (see [`Self::note_clause`]). After a word,
+    /// it is a function in `FROM` (any: `coalesce(1)`, `cast(1 AS int)` and `position('a'
+    /// IN 'b')` are grammar, not calls, and make a scalar alias too), or a column list
+    /// (`t g(a)`) or `TABLESAMPLE` method, which only cost a check; but for the reserved
+    /// words that open a subquery, a group of joins, a column list after `AS` or part of an
+    /// `ON` condition: the parentheses go on with the clause (until a `SELECT` or `VALUES`
+    /// in them starts rows of their own).
+    fn note_from_lparen(&mut self, name: Tok) {
+        let group = match name.kind {
+            TokKind::Ident => {
+                let text = self.text(name);
+                [
+                    "from", "join", "lateral", "using", "as", "on", "and", "or", "not", "in",
+                    "any", "all", "some", "exists",
+                ]
+                .iter()
+                .any(|k| is_keyword(text, k))
+                    || self.prev_is_keyword(1, "as")
+            }
+            TokKind::QuotedIdent => self.prev_is_keyword(1, "as"),
+            _ => true,
+        };
+        if group {
+            self.from_clauses.set(self.depth + 1);
+        } else {
+            self.seen.from_function = true;
         }
     }
 
@@ -900,6 +933,28 @@ impl<'a> Scan<'a> {
 /// [`Scan::resets_all_settings`]). `INSERT`, `UPDATE`, `DELETE`, `MERGE`,
 /// `TRUNCATE`, ...: most statements an application writes with skip the call detection and
 /// the word lists.
+/// The SQL value functions, called without parentheses (`current_date`), and `collation`
+/// of `COLLATION FOR (x)` (whose `FOR` would end a `FROM` clause): in `FROM`, functions.
+fn is_value_function(text: &[u8]) -> bool {
+    [
+        "current_date",
+        "current_time",
+        "current_timestamp",
+        "localtime",
+        "localtimestamp",
+        "current_role",
+        "current_user",
+        "session_user",
+        "system_user",
+        "user",
+        "current_catalog",
+        "current_schema",
+        "collation",
+    ]
+    .iter()
+    .any(|k| is_keyword(text, k))
+}
+
 fn head_decides(w: &[u8]) -> bool {
     // The list as a `match`: a jump on the length, then few comparisons.
     !matches!(

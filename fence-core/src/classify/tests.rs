@@ -355,6 +355,34 @@ fn attribute_notation_on_a_value() {
             "SELECT g.f FROM t, (u JOIN (generate_series(1, 2) g) ON true)",
             MayWrite,
         ),
+        // Functions in FROM that the grammar spells without a call (review, 2026-12-07).
+        ("SELECT g.f FROM current_date g", MayWrite),
+        ("SELECT g.f FROM CURRENT_USER AS g", MayWrite),
+        ("SELECT g.f FROM session_user g", MayWrite),
+        ("SELECT g.f FROM coalesce(1) g", MayWrite),
+        ("SELECT g.f FROM cast(1 AS int) g", MayWrite),
+        ("SELECT g.f FROM position('a' IN 'abc') g", MayWrite),
+        ("SELECT g.f FROM collation for ('a') g", MayWrite),
+        ("SELECT * FROM t JOIN coalesce(33) g ON g.f = 1", MayWrite),
+        ("SELECT (SELECT g.f FROM least(36) g)", MayWrite),
+        (
+            "WITH w AS (SELECT g.f FROM current_date g) SELECT * FROM w",
+            MayWrite,
+        ),
+        ("COPY (SELECT g.f FROM coalesce(33) g) TO STDOUT", MayWrite),
+        (
+            "DECLARE c CURSOR FOR SELECT g.f FROM nullif(1, 0) g",
+            MayWrite,
+        ),
+        // A label or name `distinct` before FROM is not `IS DISTINCT FROM`.
+        (
+            "SELECT g.f, 1 AS distinct FROM generate_series(33, 33) g",
+            MayWrite,
+        ),
+        (
+            "SELECT g.f, t.distinct FROM generate_series(34, 34) g, (SELECT 1 AS \"distinct\") t",
+            MayWrite,
+        ),
         // `t.where`, `t.fetch` are names, not the end of the FROM clause.
         (
             "SELECT 1 FROM t JOIN u ON t.where = u.fetch, generate_series(1, 2) g WHERE g.f",
@@ -398,6 +426,15 @@ fn attribute_notation_on_a_value() {
         ),
         (
             "SELECT s.a FROM (SELECT lower(u.b) AS a FROM u) AS s",
+            ReadOnly,
+        ),
+        (
+            "SELECT v.a FROM (VALUES (lower('x')), ('y')) AS v(a) JOIN t ON t.a = v.a",
+            ReadOnly,
+        ),
+        (
+            "SELECT t.a FROM t WHERE t.b IS NOT DISTINCT FROM coalesce($1, t.b) \
+             AND t.c = current_date",
             ReadOnly,
         ),
     ]);

@@ -602,13 +602,14 @@ COMMENT ON FUNCTION pgfence.fast_reject(text, bigint, bigint) IS
 -- the check of a transaction whose statements its classifier reads as reads, which holds
 -- only while the schema gives no such statement a way to run a function of the database's
 -- own. pgfence.read_audit_objects() lists the objects that do; the proxy asks
--- pgfence.reads_may_write() when a client session starts, and checks every transaction of
+-- pgfence.reads_may_write(9) when a client session starts, and checks every transaction of
 -- that session when it says true.
 
 -- Objects through which a statement the classifier takes for a read may call a function
 -- that is not a built-in (nor an extension's, nor pgfence's own), or a built-in that
 -- writes (large objects, transaction ids, the *_to_xml functions that run a query).
--- p_classifier: the schema version whose classifier the asking proxy has. From version 9
+-- p_classifier: the schema version whose classifier the asking proxy has (the proxy asks
+-- pgfence.reads_may_write(9); older ones pgfence.reads_may_write()). From version 9
 -- the classifier takes field selection (`(1).f`, `$1.f`) and a qualified name next to a
 -- function in FROM (`g.f` with `generate_series(1, 2) AS g`) for calls, so attribute
 -- notation can reach only functions that take a relation's whole row; before it, any
@@ -935,15 +936,10 @@ $trigger$;
 -- What the proxy asks when a client session starts: the kept verdict while the event trigger
 -- keeps it, else a fresh audit. A lock on the table (VACUUM FULL, LOCK TABLE) makes it fail
 -- after a second rather than hold the client's login; the proxy then checks that session's
--- reads.
---
--- The asking proxy's classifier is named by the setting pgfence.classifier, which proxies
--- from schema version 9 set for the question alone (`SELECT pgfence.reads_may_write() FROM
--- pg_catalog.set_config('pgfence.classifier', '9', true)`: a schema of version 8 ignores
--- it). A proxy that does not set it has an older classifier, and gets the answer for it:
--- a kept verdict of false is audited again, live, with every function of one argument
--- counted.
-CREATE OR REPLACE FUNCTION pgfence.reads_may_write()
+-- reads. p_classifier: the schema version whose classifier the asking proxy has (see
+-- read_audit_objects); the kept verdict is for version 9's, so an older one's question is
+-- audited afresh where the verdict is false.
+CREATE OR REPLACE FUNCTION pgfence.reads_may_write(p_classifier integer)
 RETURNS boolean
 LANGUAGE plpgsql
 STABLE
@@ -951,24 +947,31 @@ SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET lock_timeout = '1s'
 AS $reads$
-DECLARE
-    v_setting text := pg_catalog.current_setting('pgfence.classifier', true);
-    v_classifier integer := 8;
 BEGIN
-    IF v_setting ~ '^[0-9]{1,6}$' THEN
-        v_classifier := v_setting::integer;
-    END IF;
     IF EXISTS (SELECT 1 FROM pg_catalog.pg_event_trigger AS t
                WHERE t.evtname = 'pgfence_read_audit' AND t.evtenabled IN ('O', 'A')
                  AND t.evtfoid = pg_catalog.to_regprocedure('pgfence.audit_reads_on_ddl()')) THEN
         IF EXISTS (SELECT 1 FROM pgfence.read_audit) THEN
             RETURN true;
-        ELSIF v_classifier >= 9 THEN
+        ELSIF p_classifier >= 9 THEN
             RETURN false;
         END IF;
     END IF;
-    RETURN EXISTS (SELECT 1 FROM pgfence.read_audit_objects(v_classifier));
+    RETURN EXISTS (SELECT 1 FROM pgfence.read_audit_objects(p_classifier));
 END
+$reads$;
+
+COMMENT ON FUNCTION pgfence.reads_may_write(integer) IS
+    'pgfence: whether a statement a proxy with the classifier of the given schema version takes for a read may call a function of this database''s own (the proxy then checks reads too).';
+
+-- What proxies before schema version 9 ask: the answer for their classifier.
+CREATE OR REPLACE FUNCTION pgfence.reads_may_write()
+RETURNS boolean
+LANGUAGE sql
+STABLE
+SET search_path = pg_catalog, pg_temp
+AS $reads$
+    SELECT pgfence.reads_may_write(8)
 $reads$;
 
 COMMENT ON FUNCTION pgfence.reads_may_write() IS
@@ -987,6 +990,7 @@ REVOKE ALL ON FUNCTION pgfence.check(text[], text[], text, text[], text, boolean
                        pgfence.guard_history(),
                        pgfence.audit_reads_on_ddl(),
                        pgfence.reads_may_write(),
+                       pgfence.reads_may_write(integer),
                        pgfence.read_audit_objects(integer),
                        pgfence.read_audit_objects()
     FROM PUBLIC;
@@ -996,6 +1000,7 @@ GRANT EXECUTE ON FUNCTION pgfence.check(text[], text[], text, text[], text, bool
     pgfence.check_write(text[], text[], text, text[], text, boolean),
                           pgfence.fast_reject(text, bigint, bigint),
                           pgfence.reads_may_write(),
+                          pgfence.reads_may_write(integer),
                           pgfence.read_audit_objects(integer),
                           pgfence.read_audit_objects()
     TO __PGFENCE_GRANTEE__;

@@ -3,18 +3,20 @@
 //! The classifier reads text: a statement it takes for a read may still write through the
 //! schema (a view, row-level security policy, domain, operator, cast, ... that calls a
 //! function of the database's own). When a client session starts, pgfence asks
-//! `pgfence.reads_may_write()` (schema version 8; an event trigger keeps its verdict
-//! current) and skips reads' checks only when the answer is false. Until the answer comes
-//! every transaction is checked; the client gets its login's ReadyForQuery only after it,
-//! so in practice no transaction runs before it.
+//! `pgfence.reads_may_write(9)` (schema version 9; an event trigger keeps its verdict
+//! current; 9 names this classifier, which takes field selection and a qualified name next
+//! to a function in `FROM` for calls) and skips reads' checks only when the answer is
+//! false. Until the answer comes every transaction is checked; the client gets its login's
+//! ReadyForQuery only after it, so in practice no transaction runs before it.
 //!
-//! Where the database cannot answer (a schema older than version 8, or none: writes fail
-//! there anyway; no EXECUTE on the function, nor then on the check), reads are skipped as
-//! the classifier says, as before version 8, and a WARN says so once per database. Any
-//! other failure (a `statement_timeout`, a lock timeout) leaves the answer unknown, and the
-//! session checks reads. A database without the function is
-//! not asked again for a minute (`state::READ_AUDIT_RETRY`): each question would log an
-//! error on the server.
+//! Where the function is missing (a schema older than version 9: an older one answers for
+//! an older classifier, with `pgfence.reads_may_write()`), every transaction is checked,
+//! and a WARN says so once per database. Where schema pgfence is missing (writes fail
+//! there) or the user may not call the function (nor then the check), reads are skipped as
+//! the classifier says, with a WARN. Any other failure (a `statement_timeout`, a lock
+//! timeout) leaves the answer unknown, and the session checks reads. A database without
+//! the schema or the function is not asked again for a minute (`state::READ_AUDIT_RETRY`):
+//! each question would log an error on the server.
 
 use tracing::{info, warn};
 
@@ -30,16 +32,18 @@ pub(super) fn asks(config: &pgfence_config::Config) -> bool {
     config.fence.skip_read_only && config.fence.read_audit
 }
 
-/// Errors that mean the database cannot answer, for want of the function or of the right
-/// to call it: undefined schema, undefined function, insufficient privilege.
-const NOT_ASKABLE: [&str; 3] = ["3F000", "42883", "42501"];
+/// Errors that mean the database cannot answer, for want of the schema or of the right to
+/// call the function: undefined schema, insufficient privilege. Reads skip the check as
+/// the classifier says (the check would fail there too).
+const NOT_ASKABLE: [&str; 2] = ["3F000", "42501"];
 
-/// The question, as a simple Query. The setting, for this statement's transaction alone,
-/// tells the function that this classifier takes field selection and a qualified name next
-/// to a function in `FROM` for calls (`fence_core::classify`), which schema version 9 audits
-/// less for; a schema of version 8 ignores it.
-pub(super) const QUERY: &[u8] = b"SELECT pgfence.reads_may_write() \
-    FROM pg_catalog.set_config('pgfence.classifier', '9', true) AS s";
+/// Undefined function: a schema older than version 9 (or the function dropped).
+const OLD_SCHEMA: &str = "42883";
+
+/// The question, as a simple Query: 9 is the schema version whose classifier this is (see
+/// `pgfence.read_audit_objects(integer)` in fence-core's install script). A proxy of an
+/// older version asks `pgfence.reads_may_write()`, which answers for its classifier.
+pub(super) const QUERY: &[u8] = b"SELECT pgfence.reads_may_write(9)";
 
 /// The answer to [`QUERY`], as its replies arrive.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -95,30 +99,43 @@ impl Session {
                     );
                 }
             }
-            // No function to ask (schema pgfence missing or older than version 8), or no
-            // right to call it (nor, then, the check): reads skip the check as before.
+            // A schema older than version 9: it cannot answer for this classifier.
+            Answer::Failed(code, message) if code == OLD_SCHEMA => {
+                self.tx.check_reads = true;
+                self.shared
+                    .learn_read_audit(&self.database, ReadAuditKnown::OldSchema);
+                self.warn_once(
+                    "read audit failed",
+                    &code,
+                    &message,
+                    format_args!(
+                        "schema pgfence in this database is older than version 9 (no \
+                         pgfence.reads_may_write(integer)): every transaction is checked, reads \
+                         too, until `pgfence install --database {}` upgrades it",
+                        self.database
+                    ),
+                );
+            }
+            // No schema to ask (writes fail there, and say so: `schema_missing`), or no right
+            // to call the function (nor, then, the check; it depends on the user, not the
+            // database): reads skip the check as the classifier says.
             Answer::Failed(code, message) if NOT_ASKABLE.contains(&code.as_str()) => {
                 self.tx.check_reads = false;
-                if code != "42501" {
-                    // (42501 depends on the user, not the database.)
+                if code == "3F000" {
                     self.shared
                         .learn_read_audit(&self.database, ReadAuditKnown::NoFunction);
-                }
-                // Without schema pgfence at all, writes fail and say so (`schema_missing`).
-                if code != "3F000"
-                    && self
-                        .shared
-                        .first_report("read audit failed", &self.database)
-                {
-                    warn!(
-                        database = %self.database,
-                        sqlstate = %code,
-                        error = %message,
-                        "cannot ask whether reads may write in this database: reads skip the \
-                         check as the classifier says, and one that writes through the schema \
-                         commits unchecked; run `pgfence install --database {}` (schema \
-                         version 8 or later) and grant EXECUTE on its functions",
-                        self.database
+                } else {
+                    self.warn_once(
+                        "read audit failed",
+                        &code,
+                        &message,
+                        format_args!(
+                            "cannot ask whether reads may write in this database: reads skip \
+                             the check as the classifier says, and one that writes through the \
+                             schema commits unchecked; grant EXECUTE on pgfence's functions \
+                             (`pgfence install --database {}` grants them to `fence.grant_to`)",
+                            self.database
+                        ),
                     );
                 }
             }
@@ -126,28 +143,41 @@ impl Session {
             // answer is not known, so this session checks reads.
             Answer::Failed(code, message) => {
                 self.tx.check_reads = true;
-                if self
-                    .shared
-                    .first_report("read audit unanswered", &self.database)
-                {
-                    warn!(
-                        database = %self.database,
-                        sqlstate = %code,
-                        error = %message,
+                self.warn_once(
+                    "read audit unanswered",
+                    &code,
+                    &message,
+                    format_args!(
                         "asking whether reads may write failed: this session checks every \
                          transaction, reads too (logged once per database)"
-                    );
-                }
+                    ),
+                );
             }
         }
     }
 
+    /// Logs `text` at WARN with the question's error, the first time for `what` in this
+    /// database.
+    fn warn_once(&self, what: &'static str, code: &str, error: &str, text: std::fmt::Arguments) {
+        if self.shared.first_report(what, &self.database) {
+            warn!(
+                database = %self.database,
+                sqlstate = %code,
+                error = %error,
+                "{text}"
+            );
+        }
+    }
+
     /// Takes what another session of the database learnt lately, instead of asking: reads
-    /// are checked only where it said they may write (without the function, they skip as
-    /// the classifier says).
+    /// are checked where it said they may write or found the schema older than version 9
+    /// (without the schema, they skip as the classifier says).
     pub(super) fn take_known_read_audit(&mut self, known: ReadAuditKnown) {
         if std::mem::take(&mut self.read_audit_asked) {
-            self.tx.check_reads = known == ReadAuditKnown::MayWrite(true);
+            self.tx.check_reads = matches!(
+                known,
+                ReadAuditKnown::MayWrite(true) | ReadAuditKnown::OldSchema
+            );
         }
     }
 
