@@ -70,6 +70,8 @@ use scan::Scan;
 mod scan;
 mod words;
 
+pub use words::INFIX_KEYWORDS;
+
 /// What a statement does, as far as fencing cares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum StatementKind {

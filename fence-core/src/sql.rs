@@ -306,6 +306,18 @@ mod tests {
         bytes.as_deref().map(|b| std::str::from_utf8(b).unwrap())
     }
 
+    /// The read audit counts user functions named like the classifier's infix keywords.
+    #[test]
+    fn the_read_audit_lists_the_infix_keywords() {
+        let listed = crate::classify::INFIX_KEYWORDS
+            .iter()
+            .map(|k| format!("'{k}'"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let rule = format!("AND p.proname IN ({listed})");
+        assert!(install_sql(None).contains(&rule), "{rule}");
+    }
+
     #[test]
     fn sql_install_substitutes_placeholders() {
         let sql = install_sql(None);

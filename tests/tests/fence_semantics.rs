@@ -1492,6 +1492,9 @@ async fn attribute_notation_on_a_value_is_checked() {
         "SELECT (ARRAY['subscript'])[1].an_write",
         "SELECT g.an_write FROM lower('from') AS g",
         "SELECT g.an_write FROM ROWS FROM (lower('rows')) AS g",
+        "SELECT g.an_write FROM coalesce('coalesce') AS g",
+        "SELECT g.an_write FROM (SELECT 1) values, lower('values') g",
+        "SELECT U&\"an_write\" UESCAPE '!'('uescape')",
     ];
     for sql in reads {
         fx.direct.batch_execute(sql).await.unwrap();

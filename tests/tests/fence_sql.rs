@@ -974,6 +974,12 @@ async fn the_read_audit_finds_each_way_a_read_calls_a_function() {
             "function public.upper(integer,integer) (a built-in's name)",
             "DROP FUNCTION public.upper(int, int)",
         ),
+        (
+            // `ORDER BY join(1, 2)` calls it; the classifier may take it for `JOIN (`.
+            "CREATE FUNCTION join(i int, j int) RETURNS int LANGUAGE sql AS 'SELECT i'",
+            "function public.\"join\"(integer,integer) (a name the classifier may take for a keyword)",
+            "DROP FUNCTION join(int, int)",
+        ),
     ];
     for (create, object, drop) in ways {
         client.batch_execute(create).await.unwrap();

@@ -338,6 +338,8 @@ impl<'a> Scan<'a> {
         }
         match self.prev(1).map(|t| t.kind) {
             Some(TokKind::RParen | TokKind::Param) => self.seen.call = true,
+            // `U&"g" UESCAPE '!'.f`: a name, whatever it is.
+            Some(TokKind::String) if self.prev_is_keyword(2, "uescape") => self.seen.call = true,
             Some(TokKind::Other) if self.prev_is_byte(1, b"]") => self.seen.call = true,
             Some(TokKind::Ident | TokKind::QuotedIdent) => self.seen.qualified = true,
             _ => {}
@@ -349,8 +351,9 @@ impl<'a> Scan<'a> {
     /// `f(integer)`: attribute notation again. A statement with both a function in `FROM`
     /// and a qualified name is taken to call a function.
     fn note_clause(&mut self, tok: Tok, w: &[u8]) {
-        // `t.where`, `AS where`: names. (The words below are reserved: nothing else.)
-        if self.prev_is_byte(0, b".") || self.prev_is_keyword(0, "as") {
+        // `t.where`, `AS where`: names. (The words below are reserved, but `values`:
+        // nothing else.) `t.as where` is no label.
+        if self.prev_is_byte(0, b".") || self.prev_is_word(0, "as") {
             return;
         }
         if self.from_clauses.has(self.depth) && is_value_function(self.text(tok)) {
@@ -362,8 +365,11 @@ impl<'a> Scan<'a> {
                 self.selects.set(self.depth);
                 self.from_clauses.clear(self.depth);
             }
-            // `FROM (VALUES (1), (2)) AS v(a)`: rows of expressions, not of `FROM` items.
-            b"values" => self.from_clauses.clear(self.depth),
+            // `FROM (VALUES (1), (2)) AS v(a)`: rows of expressions, not of `FROM` items
+            // (but `FROM t values, f() g`: an alias).
+            b"values" if self.prev(0).is_some_and(|t| t.kind == TokKind::LParen) => {
+                self.from_clauses.clear(self.depth);
+            }
             // `ROWS FROM (f(), g())`: functions in `FROM`, inside parentheses of their own.
             b"from" if self.prev_is_keyword(0, "rows") => self.seen.from_function = true,
             // Not `extract(x FROM y)`, `substring(x FROM 2)` (no `SELECT` at their depth),
@@ -371,7 +377,7 @@ impl<'a> Scan<'a> {
             b"from"
                 if self.selects.has(self.depth)
                     && !(self.prev_is_keyword(0, "distinct")
-                        && (self.prev_is_keyword(1, "is") || self.prev_is_keyword(1, "not"))) =>
+                        && (self.prev_is_word(1, "is") || self.prev_is_word(1, "not"))) =>
             {
                 self.from_clauses.set(self.depth);
             }
@@ -448,6 +454,11 @@ impl<'a> Scan<'a> {
             .is_some_and(|t| t.kind == TokKind::Ident && is_keyword(self.text(t), keyword))
     }
 
+    /// `prev(i)` is `keyword`, and not a name after a `.` (`t.as`), for `i` < 2.
+    fn prev_is_word(&self, i: usize, keyword: &str) -> bool {
+        self.prev_is_keyword(i, keyword) && !self.prev_is_byte(i + 1, b".")
+    }
+
     fn prev_is_byte(&self, i: usize, text: &[u8]) -> bool {
         self.prev(i)
             .is_some_and(|t| t.kind == TokKind::Other && self.text(t) == text)
@@ -486,6 +497,9 @@ impl<'a> Scan<'a> {
         let call = match name.kind {
             TokKind::Ident => self.ident_call(name),
             TokKind::QuotedIdent => self.quoted_call(name),
+            // `U&"f" UESCAPE '!'(1)`: PostgreSQL's name `f` (the lexer leaves the escape
+            // clause apart from the name).
+            TokKind::String if self.prev_is_keyword(1, "uescape") => Call::Unknown,
             _ => Call::Grammar,
         };
         match call {

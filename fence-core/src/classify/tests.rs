@@ -383,6 +383,43 @@ fn attribute_notation_on_a_value() {
             "SELECT g.f, t.distinct FROM generate_series(34, 34) g, (SELECT 1 AS \"distinct\") t",
             MayWrite,
         ),
+        // A second review (2026-12-07): `values` as an alias, `as`, `is`, `not` as names.
+        (
+            "SELECT g.f FROM t values, generate_series(1, 1) g",
+            MayWrite,
+        ),
+        (
+            "SELECT g.f FROM t values JOIN generate_series(7, 7) g ON true",
+            MayWrite,
+        ),
+        (
+            "COPY (SELECT g.f FROM t values, generate_series(9, 9) g) TO STDOUT",
+            MayWrite,
+        ),
+        (
+            "SELECT g.lo_creat FROM (SELECT 1) values, cast(-1 AS int) g",
+            MayWrite,
+        ),
+        (
+            "SELECT g.f, x.as FROM (SELECT 1 AS \"as\") x, generate_series(1, 1) g",
+            MayWrite,
+        ),
+        (
+            "SELECT g.f, x.not distinct FROM (SELECT 1 AS \"not\") x, generate_series(2, 2) g",
+            MayWrite,
+        ),
+        (
+            "SELECT g.is distinct FROM generate_series(1, 1) g",
+            MayWrite,
+        ),
+        // `U&"f" UESCAPE '!'` is the name `f`.
+        ("SELECT U&\"f\" UESCAPE '!'(31)", MayWrite),
+        ("SELECT * FROM U&\"f\" UESCAPE '!' (22) g", MayWrite),
+        (
+            "SELECT U&\"g\" UESCAPE '!'.f FROM generate_series(32, 32) g",
+            MayWrite,
+        ),
+        ("SELECT U&\"lo_creat\" UESCAPE '!'(-1)", MayWrite),
         // `t.where`, `t.fetch` are names, not the end of the FROM clause.
         (
             "SELECT 1 FROM t JOIN u ON t.where = u.fetch, generate_series(1, 2) g WHERE g.f",
@@ -432,6 +469,11 @@ fn attribute_notation_on_a_value() {
             "SELECT v.a FROM (VALUES (lower('x')), ('y')) AS v(a) JOIN t ON t.a = v.a",
             ReadOnly,
         ),
+        (
+            "SELECT a.x IS DISTINCT FROM b.x, a.y IS NOT DISTINCT FROM b.y FROM a, b",
+            ReadOnly,
+        ),
+        ("SELECT 1 AS from FROM t WHERE t.a = 1", ReadOnly),
         (
             "SELECT t.a FROM t WHERE t.b IS NOT DISTINCT FROM coalesce($1, t.b) \
              AND t.c = current_date",

@@ -800,6 +800,13 @@ SELECT 'function ' || p.oid::regprocedure::text || ' (a built-in''s name)'
   WHERE p.oid IN (SELECT oid FROM user_fn)
     AND EXISTS (SELECT 1 FROM pg_catalog.pg_proc AS b WHERE b.proname = p.proname AND b.oid < 16384)
 UNION
+-- Names that are infix keywords after an operand (a LIKE (b), t JOIN (u ...)): the
+-- classifier takes some calls of them for grammar (fence_core::classify::INFIX_KEYWORDS).
+SELECT 'function ' || p.oid::regprocedure::text || ' (a name the classifier may take for a keyword)'
+  FROM pg_catalog.pg_proc AS p
+  WHERE p.oid IN (SELECT oid FROM user_fn)
+    AND p.proname IN ('like', 'ilike', 'overlaps', 'join')
+UNION
 -- Attribute notation calls a function of one argument: t.f is f(t), for a relation t whose
 -- whole row the function takes (the classifier cannot tell it from a column), and (1).f is
 -- f(1) whatever the type (the classifier takes that for a call from version 9).
