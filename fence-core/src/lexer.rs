@@ -181,7 +181,9 @@ impl<'a> Lexer<'a> {
     }
 
     /// Scans to just past the closing `quote` (doubled quotes stay inside); `self.pos` is just
-    /// after the opening one.
+    /// after the opening one. A string literal goes on after white space with a newline and
+    /// another `'` (see [`continuation`]), in the same mode (`E'a'` then `'\'x'` on the next
+    /// line is one literal, `a'x`).
     fn quoted(&mut self, quote: u8, backslash_escapes: bool) {
         let sql = self.sql;
         let mut i = self.pos;
@@ -191,6 +193,12 @@ impl<'a> Lexer<'a> {
                 if sql.get(i + 1) == Some(&quote) {
                     i += 2;
                     continue;
+                }
+                if quote == b'\'' {
+                    if let Some(next) = continuation(sql, i + 1) {
+                        i = next;
+                        continue;
+                    }
                 }
                 self.pos = i + 1;
                 return;
@@ -299,8 +307,17 @@ impl<'a> Lexer<'a> {
                 return TokKind::String;
             }
             (b'b' | b'x', Some(b'\''), _) => {
-                self.pos += 2;
-                self.pos = memchr(b'\'', self.sql, self.pos).map_or(self.sql.len(), |i| i + 1);
+                // No doubled quotes inside, but continuation lines as for any literal.
+                let mut from = self.pos + 2;
+                self.pos = loop {
+                    let Some(close) = memchr(b'\'', self.sql, from) else {
+                        break self.sql.len();
+                    };
+                    match continuation(self.sql, close + 1) {
+                        Some(next) => from = next,
+                        None => break close + 1,
+                    }
+                };
                 return TokKind::String;
             }
             (b'u', Some(b'&'), Some(b'\'')) => {
@@ -519,6 +536,29 @@ const CLASSES: [u8; 256] = {
     }
     table
 };
+
+/// Where a string literal that closed just before `at` goes on: past white space that holds
+/// a newline (and any `--` comments) and the `'` after it, as PostgreSQL's scanner reads
+/// `'a'` newline `'b'` as `'ab'` (its `quotecontinue`, which keeps the first part's mode:
+/// backslash escapes go on after `E'...'`). `None` if the literal ends at `at`.
+fn continuation(sql: &[u8], at: usize) -> Option<usize> {
+    let mut i = at;
+    let mut newline = false;
+    while i < sql.len() {
+        match sql[i] {
+            b'\n' | b'\r' => newline = true,
+            b' ' | b'\t' | b'\x0c' => {}
+            b'-' if sql.get(i + 1) == Some(&b'-') => {
+                i = memchr2(b'\n', b'\r', sql, i).unwrap_or(sql.len());
+                continue;
+            }
+            b'\'' if newline => return Some(i + 1),
+            _ => return None,
+        }
+        i += 1;
+    }
+    None
+}
 
 fn is_space(b: u8) -> bool {
     CLASSES[usize::from(b)] & SPACE != 0

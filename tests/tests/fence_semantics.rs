@@ -1469,6 +1469,53 @@ async fn reads_that_write_through_the_schema_are_checked() {
     }
 }
 
+/// A string literal continued on another line (`E'a'`, a newline, `'\'x'`) is one literal
+/// to PostgreSQL, in its first part's mode. A review (2026-12-07) hid a stale `INSERT`, and
+/// a `DELETE` with a `COMMIT` after it, in what pgfence's lexer took for a new literal: both
+/// committed, the second with `skip_read_only = false` too. Run directly, each payload
+/// writes (so the test can fail); through pgfence a stale session's is rejected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_string_continued_on_another_line_hides_no_statement() {
+    let insert = "SELECT E'a'\n'\\'x' ; INSERT INTO sc VALUES ('stale'); SELECT 1 -- '";
+    let delete = "SELECT e'a' -- c\n  '\\'x' ; DELETE FROM sc; COMMIT; SELECT 1 -- '";
+    for skip_read_only in [true, false] {
+        let fx = Fixture::start("CREATE TABLE sc (tag text);", |c| {
+            c.fence.skip_read_only = skip_read_only;
+            c.fence.fast_path = false;
+        })
+        .await;
+        fx.direct.batch_execute(insert).await.unwrap();
+        assert_eq!(fx.count("sc").await, 1, "the payload inserts");
+        fx.direct.batch_execute("BEGIN").await.unwrap();
+        fx.direct.batch_execute(delete).await.unwrap();
+        assert_eq!(fx.count("sc").await, 0, "the payload deletes and commits");
+        let r = "continued";
+        fx.leader(r, 34)
+            .await
+            .simple("INSERT INTO sc VALUES ('leader')")
+            .await
+            .unwrap();
+        let context = format!("skip_read_only = {skip_read_only}");
+        let stale_session = fx.leader(r, 33).await;
+        let result = stale_session.simple(insert).await;
+        assert_rejected(&result, &stale(r, 33, 34), &context);
+        stale_session.simple("BEGIN").await.unwrap();
+        let result = stale_session.simple(delete).await;
+        assert_rejected(&result, &stale(r, 33, 34), &context);
+        stale_session.simple("ROLLBACK").await.unwrap();
+        assert_eq!(
+            fx.count("sc WHERE tag = 'leader'").await,
+            1,
+            "{context}: a stale DELETE committed"
+        );
+        assert_eq!(
+            fx.count("sc WHERE tag = 'stale'").await,
+            0,
+            "{context}: a stale INSERT committed"
+        );
+    }
+}
+
 /// Attribute notation on a value that is not a relation's whole row (`('x').f` is `f('x')`,
 /// `g.f` is `f(g)` for a function `g` in FROM) reaches any function of one argument, which
 /// the read audit (schema version 9) no longer counts: the classifier takes these

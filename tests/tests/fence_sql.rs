@@ -885,6 +885,12 @@ async fn the_read_audit_finds_each_way_a_read_calls_a_function() {
             "DROP VIEW a_msg",
         ),
         (
+            // Takes a transaction id (and the sequence's change outlives a rollback).
+            "CREATE SEQUENCE a_s; CREATE VIEW a_seq AS SELECT nextval('a_s') AS n",
+            "view public.a_seq",
+            "DROP VIEW a_seq; DROP SEQUENCE a_s",
+        ),
+        (
             "CREATE VIEW a_ts AS SELECT * FROM ts_stat('SELECT a_text(1, 2)::tsvector')",
             "view public.a_ts",
             "DROP VIEW a_ts",

@@ -338,3 +338,69 @@ fn skip_plain_stops_where_a_token_may_not_be_plain() {
         (Some(2), s(&["a, fencing"]), s(&["fencingE", "'x'"]))
     );
 }
+
+/// A literal goes on after white space with a newline and another `'` (PostgreSQL's
+/// `quotecontinue`), in its first part's mode: a review (2026-12-07) hid an `INSERT` from
+/// the classifier with `E'a'` newline `'\'x' ; INSERT ...`, which PostgreSQL reads as the
+/// literal `a'x` and then runs.
+#[test]
+fn string_continued_on_another_line() {
+    let sql = b"SELECT E'a'\n'\\'x' ; INSERT INTO t VALUES (1); SELECT 1 -- '";
+    assert_eq!(
+        kinds(sql),
+        vec![
+            (Ident, &b"SELECT"[..]),
+            (String, b"E'a'\n'\\'x'"),
+            (Semicolon, b";"),
+            (Ident, b"INSERT"),
+            (Ident, b"INTO"),
+            (Ident, b"t"),
+            (Ident, b"VALUES"),
+            (LParen, b"("),
+            (Number, b"1"),
+            (RParen, b")"),
+            (Semicolon, b";"),
+            (Ident, b"SELECT"),
+            (Number, b"1"),
+            (Comment { block: false }, b"-- '"),
+        ]
+    );
+    // `--` comments and any white space may come between; a block comment may not.
+    assert_eq!(
+        kinds(b"e'a' -- note\r\n \t-- more\n\x0c '\\'b'"),
+        vec![(String, &b"e'a' -- note\r\n \t-- more\n\x0c '\\'b'"[..])]
+    );
+    assert_eq!(
+        kinds(b"'a' /* c */\n'b'"),
+        vec![
+            (String, &b"'a'"[..]),
+            (Comment { block: true }, b"/* c */"),
+            (String, b"'b'"),
+        ]
+    );
+    // Without a newline, two literals (PostgreSQL: a syntax error).
+    assert_eq!(
+        kinds(b"'a' 'b'"),
+        vec![(String, &b"'a'"[..]), (String, b"'b'")]
+    );
+    // Every kind of literal but dollar-quoted ones.
+    for sql in [
+        &b"B'01'\n'10'"[..],
+        b"X'0f'\n  'a0'",
+        b"N'a'\n'b'",
+        b"U&'a'\n'b'",
+    ] {
+        assert_eq!(
+            kinds(sql),
+            vec![(String, sql)],
+            "{}",
+            std::string::String::from_utf8_lossy(sql)
+        );
+    }
+    assert_eq!(
+        kinds(b"$$a$$\n'b'"),
+        vec![(String, &b"$$a$$"[..]), (String, b"'b'")]
+    );
+    // An unterminated continuation runs to the end, as any literal.
+    assert_eq!(kinds(b"'a'\n'b"), vec![(String, &b"'a'\n'b"[..])]);
+}

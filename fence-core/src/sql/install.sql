@@ -634,7 +634,7 @@ WITH RECURSIVE writing_builtin AS (
                         'query_to_xmlschema', 'query_to_xml_and_xmlschema', 'ts_stat',
                         'ts_rewrite', 'pg_logical_emit_message',
                         'pg_import_system_collations', 'pg_replication_origin_create',
-                        'pg_replication_origin_drop')
+                        'pg_replication_origin_drop', 'nextval', 'setval')
 ), user_fn AS (
     -- Functions of the database's own: created after initdb (whatever their schema), not
     -- pgfence's, not an extension's, and not an internal-language function that runs a
