@@ -547,7 +547,9 @@ fn continuation(sql: &[u8], at: usize) -> Option<usize> {
     while i < sql.len() {
         match sql[i] {
             b'\n' | b'\r' => newline = true,
-            b' ' | b'\t' | b'\x0c' => {}
+            // `\x0b` too: PostgreSQL 16 counts it as white space (15 rejects it, so the
+            // statement does not run at all).
+            b' ' | b'\t' | b'\x0c' | b'\x0b' => {}
             b'-' if sql.get(i + 1) == Some(&b'-') => {
                 i = memchr2(b'\n', b'\r', sql, i).unwrap_or(sql.len());
                 continue;

@@ -370,6 +370,7 @@ fn string_continued_on_another_line() {
         kinds(b"e'a' -- note\r\n \t-- more\n\x0c '\\'b'"),
         vec![(String, &b"e'a' -- note\r\n \t-- more\n\x0c '\\'b'"[..])]
     );
+    assert_eq!(kinds(b"'a'\x0b\n'b'"), vec![(String, &b"'a'\x0b\n'b'"[..])]);
     assert_eq!(
         kinds(b"'a' /* c */\n'b'"),
         vec![
