@@ -261,6 +261,12 @@ pub struct Analysis {
     pub mentions_fencing: bool,
     /// A statement [`Statement::prepares_in_sql`].
     pub prepares_in_sql: bool,
+    /// The text ended inside a `BEGIN ATOMIC` body of `CREATE FUNCTION|PROCEDURE`: its
+    /// `CASE` and `END` words did not balance. PostgreSQL rejects such a body, so the count
+    /// was wrong (a column label `case` the grammar allows, say), and where the statements
+    /// end is not known: a `COMMIT` may hide after the body (a review, 2026-12-07). The
+    /// proxy refuses such a Query.
+    pub body_in_doubt: bool,
 }
 
 impl Analysis {
@@ -370,6 +376,7 @@ impl Analysis {
     fn end_segment(&mut self, segment: &mut Scan<'_>, orphans_from: &mut Option<usize>) {
         let from = segment.directives_from;
         self.mentions_fencing |= segment.resets_all_settings();
+        self.body_in_doubt |= segment.in_atomic_body();
         let statement = segment.finish(self.directives.len());
         self.prepares_in_sql |= statement.as_ref().is_some_and(|s| s.prepares_in_sql);
         segment.reset(self.directives.len());

@@ -60,6 +60,8 @@ pub enum SessionError {
     UnsupportedEncoding(String),
     #[error("pgfence cannot tell where the statements of this Query end: it holds a \\' in a literal, and standard_conforming_strings may change in the unsynced extended-protocol messages before it (send Sync before the Query)")]
     QueryLexingInDoubt,
+    #[error("pgfence cannot tell where the BEGIN ATOMIC body of a CREATE FUNCTION or PROCEDURE in this Query ends (a column label named case or end?), so nor where its statements end: quote the label (AS \"case\"), or send the statement in a Query of its own")]
+    AtomicBodyInDoubt,
     #[error("user {0:?} may not use the pgfence admin console (admin.users)")]
     NotAdmin(String),
     #[error("the client sent data before pgfence answered its encryption request")]
@@ -96,7 +98,8 @@ impl SessionError {
             | SessionError::TlsRequired(_)
             | SessionError::CertificateUserMismatch { .. }
             | SessionError::ChannelBindingThroughProxy
-            | SessionError::QueryLexingInDoubt => Side::Client,
+            | SessionError::QueryLexingInDoubt
+            | SessionError::AtomicBodyInDoubt => Side::Client,
             SessionError::ServerIo(_)
             | SessionError::ServerFrame(_)
             | SessionError::UnexpectedServerMessage(_)
@@ -114,7 +117,9 @@ impl SessionError {
     fn sqlstate(&self) -> &'static str {
         match self {
             SessionError::TooManyClients(_) => "53300",
-            SessionError::UnsupportedEncoding(_) | SessionError::QueryLexingInDoubt => "0A000",
+            SessionError::UnsupportedEncoding(_)
+            | SessionError::QueryLexingInDoubt
+            | SessionError::AtomicBodyInDoubt => "0A000",
             SessionError::NotAdmin(_)
             | SessionError::TlsRequired(_)
             | SessionError::CertificateUserMismatch { .. }

@@ -1516,6 +1516,50 @@ async fn a_string_continued_on_another_line_hides_no_statement() {
     }
 }
 
+/// A `COMMIT` after a `BEGIN ATOMIC` body whose column label is `case` (a review,
+/// 2026-12-07: pgfence counted the label as a `CASE`, took the rest of the Query for the
+/// body, and a stale insert before the `COMMIT` committed unchecked). Run directly, each
+/// payload commits its insert; through pgfence the stale one is rejected, or, where the
+/// body cannot be balanced (a bare label), the Query is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_after_a_begin_atomic_body_is_seen() {
+    let labelled = "BEGIN; INSERT INTO ab VALUES ('stale'); CREATE FUNCTION ab_f() RETURNS int \
+                    LANGUAGE sql BEGIN ATOMIC SELECT 1 AS case; END; COMMIT; BEGIN; SELECT 1";
+    let bare = "BEGIN; INSERT INTO ab VALUES ('stale'); CREATE FUNCTION ab_g() RETURNS int \
+                LANGUAGE sql BEGIN ATOMIC SELECT 1 case; END; COMMIT; BEGIN; SELECT 1";
+    let fx = Fixture::start("CREATE TABLE ab (tag text);", |c| c.fence.fast_path = false).await;
+    for payload in [labelled, bare] {
+        fx.direct.batch_execute(payload).await.unwrap();
+        fx.direct.batch_execute("ROLLBACK").await.unwrap();
+    }
+    assert_eq!(fx.count("ab").await, 2, "each payload commits its insert");
+    fx.direct
+        .batch_execute("DELETE FROM ab; DROP FUNCTION ab_f(), ab_g()")
+        .await
+        .unwrap();
+    let r = "atomic";
+    fx.leader(r, 34)
+        .await
+        .simple("INSERT INTO ab VALUES ('leader')")
+        .await
+        .unwrap();
+    let stale_session = fx.leader(r, 33).await;
+    let result = stale_session.simple(labelled).await;
+    assert_rejected(&result, &stale(r, 33, 34), labelled);
+    let refused = fx.leader(r, 33).await.simple(bare).await;
+    let code = refused
+        .as_ref()
+        .err()
+        .and_then(|e| e.code())
+        .map(|c| c.code());
+    assert_eq!(code, Some("0A000"), "{refused:?}");
+    assert_eq!(
+        fx.count("ab WHERE tag = 'stale'").await,
+        0,
+        "a stale write committed"
+    );
+}
+
 /// Attribute notation on a value that is not a relation's whole row (`('x').f` is `f('x')`,
 /// `g.f` is `f(g)` for a function `g` in FROM) reaches any function of one argument, which
 /// the read audit (schema version 9) no longer counts: the classifier takes these

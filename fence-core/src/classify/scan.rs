@@ -188,6 +188,17 @@ impl<'a> Scan<'a> {
         &self.words[..self.n_words.min(MAX_WORDS)]
     }
 
+    /// Whether the statement is inside a `BEGIN ATOMIC` body (see
+    /// [`super::Analysis::body_in_doubt`]).
+    pub(super) fn in_atomic_body(&self) -> bool {
+        self.atomic_depth > 0
+    }
+
+    /// After `AS` or `.`, a word is a name or label, never a keyword.
+    fn after_label_lead(&self) -> bool {
+        self.prev_is_byte(0, b".") || self.prev_is_keyword(0, "as")
+    }
+
     pub(super) fn at_top_level(&self) -> bool {
         self.depth == 0 && self.atomic_depth == 0
     }
@@ -437,8 +448,14 @@ impl<'a> Scan<'a> {
             {
                 self.atomic_depth += 1;
             }
-            b"case" if self.depth == 0 && self.atomic_depth > 0 => self.atomic_depth += 1,
-            b"end" if self.depth == 0 && self.atomic_depth > 0 => self.atomic_depth -= 1,
+            // Not a label (`AS case`, `t.end`); a bare label (`SELECT 1 case`) still counts,
+            // and leaves the body open at the end: `Analysis::body_in_doubt`.
+            b"case" if self.depth == 0 && self.atomic_depth > 0 && !self.after_label_lead() => {
+                self.atomic_depth += 1;
+            }
+            b"end" if self.depth == 0 && self.atomic_depth > 0 && !self.after_label_lead() => {
+                self.atomic_depth -= 1;
+            }
             _ => {}
         }
     }

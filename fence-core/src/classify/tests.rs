@@ -1203,3 +1203,31 @@ fn fast_walk_changes_nothing(heads: &[&str], extra: &[&str], mut seed: u64) {
         }
     }
 }
+
+/// A `BEGIN ATOMIC` body counts `CASE` and `END` to find its end; labels named `case` or
+/// `end` must not count (a review, 2026-12-07, hid a `COMMIT` after `AS case`), and a body
+/// still open at the end of the text makes the analysis `body_in_doubt`.
+#[test]
+fn atomic_bodies_and_labels() {
+    let sql = "begin; insert into w values('stale'); create function g() returns int \
+               language sql begin atomic select 1 as case; end; commit; begin; select 1";
+    assert_eq!(
+        kinds(sql),
+        vec![Begin, MayWrite, MayWrite, Commit, Begin, ReadOnly],
+        "{sql}"
+    );
+    assert!(!analyze(sql.as_bytes()).body_in_doubt);
+    let sql = "create procedure g() language sql begin atomic select t.case, t.end from t; \
+               end; commit";
+    assert_eq!(kinds(sql), vec![MayWrite, Commit], "{sql}");
+    // A bare label: the body does not balance, and the analysis says so.
+    let sql = "create function g() returns int language sql begin atomic select 1 case; end; \
+               commit; select 1";
+    assert!(analyze(sql.as_bytes()).body_in_doubt, "{sql}");
+    // Real CASE expressions balance.
+    let sql = "create function g(x int) returns int language sql begin atomic \
+               select case when x > 0 then case x when 1 then 1 else 2 end else 0 end; end; \
+               select 1";
+    assert_eq!(kinds(sql), vec![MayWrite, ReadOnly], "{sql}");
+    assert!(!analyze(sql.as_bytes()).body_in_doubt);
+}

@@ -79,6 +79,9 @@ impl Session {
         }
         // Analysed where it lies, without the copies a prepared statement keeps.
         let analysis = &self.analyze(sql);
+        if self.fence.enabled && analysis.body_in_doubt {
+            return Err(SessionError::AtomicBodyInDoubt);
+        }
         self.note_query(sql, analysis);
         self.query_copies_in = analysis.statements.iter().any(|s| {
             s.kind == StatementKind::MayWrite
