@@ -327,11 +327,14 @@ impl<'a> Scan<'a> {
         self.advance_columns(tok, lower);
         match tok.kind {
             TokKind::Ident => {
-                self.note_qualified();
-                self.note_clause(tok, lower);
+                if self.prev_is_byte(0, b".") {
+                    self.note_qualified();
+                } else {
+                    self.note_clause(tok, lower);
+                }
                 self.note_word(lower);
             }
-            TokKind::QuotedIdent => self.note_qualified(),
+            TokKind::QuotedIdent if self.prev_is_byte(0, b".") => self.note_qualified(),
             TokKind::LParen => self.note_lparen(),
             _ => {}
         }
@@ -343,10 +346,8 @@ impl<'a> Scan<'a> {
     /// or on a scalar, where `t` names a function in `FROM` (see [`Self::note_clause`]).
     /// The read audit leaves these calls to the classifier, but for functions that can take
     /// a relation's whole row.
+    #[cold]
     fn note_qualified(&mut self) {
-        if !self.prev_is_byte(0, b".") {
-            return;
-        }
         match self.prev(1).map(|t| t.kind) {
             Some(TokKind::RParen | TokKind::Param) => self.seen.call = true,
             // `U&"g" UESCAPE '!'.f`: a name, whatever it is.
@@ -361,13 +362,18 @@ impl<'a> Scan<'a> {
     /// makes its alias that scalar (`FROM generate_series(1, 2) AS g`), so `g.f` calls
     /// `f(integer)`: attribute notation again. A statement with both a function in `FROM`
     /// and a qualified name is taken to call a function.
+    #[inline]
     fn note_clause(&mut self, tok: Tok, w: &[u8]) {
-        // `t.where`, `AS where`: names. (The words below are reserved, but `values`:
-        // nothing else.) `t.as where` is no label.
-        if self.prev_is_byte(0, b".") || self.prev_is_word(0, "as") {
+        let value_function = self.from_clauses.has(self.depth) && is_value_function(self.text(tok));
+        if !value_function && !is_clause_word(w) {
             return;
         }
-        if self.from_clauses.has(self.depth) && is_value_function(self.text(tok)) {
+        // `AS where`: a label (after a `.`, [`Self::note_qualified`] has it). (The words
+        // below are reserved, but `values`: nothing else.) `t.as where` is no label.
+        if self.prev_is_word(0, "as") {
+            return;
+        }
+        if value_function {
             // `FROM current_date AS g`: a function without parentheses.
             self.seen.from_function = true;
         }
@@ -964,9 +970,36 @@ impl<'a> Scan<'a> {
 /// [`Scan::resets_all_settings`]). `INSERT`, `UPDATE`, `DELETE`, `MERGE`,
 /// `TRUNCATE`, ...: most statements an application writes with skip the call detection and
 /// the word lists.
+/// The words [`Scan::note_clause`] follows `FROM` clauses by.
+#[inline]
+fn is_clause_word(w: &[u8]) -> bool {
+    matches!(
+        w,
+        b"select"
+            | b"values"
+            | b"from"
+            | b"where"
+            | b"group"
+            | b"having"
+            | b"window"
+            | b"order"
+            | b"limit"
+            | b"offset"
+            | b"fetch"
+            | b"for"
+            | b"union"
+            | b"except"
+    )
+}
+
 /// The SQL value functions, called without parentheses (`current_date`), and `collation`
 /// of `COLLATION FOR (x)` (whose `FOR` would end a `FROM` clause): in `FROM`, functions.
 fn is_value_function(text: &[u8]) -> bool {
+    if !matches!(text.len(), 4..=17)
+        || !matches!(text[0].to_ascii_lowercase(), b'c' | b'l' | b's' | b'u')
+    {
+        return false;
+    }
     [
         "current_date",
         "current_time",
