@@ -730,7 +730,30 @@ impl<'a> Scan<'a> {
             prepares_in_sql: self.prepares_in_sql(),
             may_commit_inside: self.word_is(0, "do") || self.word_is(0, "call"),
             commits_at_once: self.commits_at_once(),
+            changes_schema: self.changes_schema(),
         })
+    }
+
+    /// See [`Statement::changes_schema`]. A statement whose object type is past the words
+    /// kept counts.
+    fn changes_schema(&self) -> bool {
+        if self.word_is(0, "alter") {
+            return true;
+        }
+        if !self.word_is(0, "create") {
+            return false;
+        }
+        let mut i = 1;
+        if self.word_is(1, "or") && self.word_is(2, "replace") {
+            i = 3;
+        }
+        const MODIFIERS: [&str; 6] = ["temp", "temporary", "local", "global", "unlogged", "unique"];
+        while MODIFIERS.iter().any(|m| self.word_is(i, m)) {
+            i += 1;
+        }
+        !["table", "index", "sequence"]
+            .iter()
+            .any(|object| self.word_is(i, object))
     }
 
     fn kind(&self) -> StatementKind {

@@ -686,6 +686,38 @@ fn may_commit_inside() {
 }
 
 #[test]
+fn changes_schema() {
+    let changes = |sql: &str| analyze(sql.as_bytes()).statements[0].changes_schema;
+    for sql in [
+        "CREATE VIEW v AS SELECT f()",
+        "create or replace temp view v as select 1",
+        "CREATE FUNCTION f() RETURNS int LANGUAGE sql AS 'SELECT 1'",
+        "CREATE POLICY p ON t USING (f())",
+        "CREATE RULE r AS ON SELECT TO t DO INSTEAD SELECT 1",
+        "CREATE MATERIALIZED VIEW m AS SELECT 1",
+        "CREATE CAST (int AS t) WITH FUNCTION f(int) AS IMPLICIT",
+        "/* fencing_token=3 */ ALTER TABLE t ENABLE ROW LEVEL SECURITY",
+        "ALTER FUNCTION f() SECURITY DEFINER",
+        // Past the words kept: counted.
+        "CREATE OR REPLACE TEMP UNLOGGED GLOBAL LOCAL TABLE t (a int)",
+    ] {
+        assert!(changes(sql), "{sql}");
+    }
+    for sql in [
+        "CREATE TABLE t (a int DEFAULT f())",
+        "create temporary table t (a int) on commit drop",
+        "CREATE UNLOGGED TABLE t AS SELECT 1",
+        "CREATE UNIQUE INDEX i ON t (f(a))",
+        "CREATE SEQUENCE s",
+        "DROP VIEW v",
+        "SELECT 'CREATE VIEW v'",
+        "INSERT INTO t VALUES (1)",
+    ] {
+        assert!(!changes(sql), "{sql}");
+    }
+}
+
+#[test]
 fn splitting() {
     let sql = "BEGIN; UPDATE t SET a = 1; COMMIT; SELECT 1";
     assert_eq!(kinds(sql), vec![Begin, MayWrite, Commit, ReadOnly]);
