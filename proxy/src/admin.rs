@@ -264,6 +264,10 @@ pub fn answer(shared: &Shared, admin: &str, sql: &[u8], out: &mut BytesMut) -> A
                 ("rejections", s.rejections.load(Ordering::Relaxed)),
                 ("fast_rejections", s.fast_rejections.load(Ordering::Relaxed)),
                 ("upstream_errors", s.upstream_errors.load(Ordering::Relaxed)),
+                (
+                    "read_audit_questions",
+                    s.read_audit_questions.load(Ordering::Relaxed),
+                ),
                 ("servers_idle", shared.pool.idle_count() as u64),
                 ("servers_reused", shared.pool.reused()),
             ]

@@ -119,8 +119,9 @@ impl Shared {
 
     /// What a session starting now may take as the answer of `pgfence.reads_may_write(9)`
     /// in `database`, without asking: an answer given less than [`READ_AUDIT_REUSE`] ago,
-    /// or the lack of the function found less than [`READ_AUDIT_RETRY`] ago.
-    pub fn known_read_audit(&self, database: &str) -> Option<ReadAuditKnown> {
+    /// or the lack of the function found less than [`READ_AUDIT_RETRY`] ago; with when it
+    /// was learnt.
+    pub fn known_read_audit(&self, database: &str) -> Option<(std::time::Instant, ReadAuditKnown)> {
         let map = self
             .read_audit
             .lock()
@@ -130,7 +131,7 @@ impl Shared {
             ReadAuditKnown::MayWrite(_) => READ_AUDIT_REUSE,
             ReadAuditKnown::NoFunction | ReadAuditKnown::OldSchema => READ_AUDIT_RETRY,
         };
-        (at.elapsed() < fresh_for).then_some(known)
+        (at.elapsed() < fresh_for).then_some((at, known))
     }
 
     /// Remembers what a session learnt of `database`.
@@ -421,6 +422,9 @@ pub struct Stats {
     pub rejections: AtomicU64,
     pub fast_rejections: AtomicU64,
     pub upstream_errors: AtomicU64,
+    /// `pgfence.reads_may_write(9)` asked: at sessions' starts, and again by sessions whose
+    /// answer is out of date (see `session::read_audit`).
+    pub read_audit_questions: AtomicU64,
 }
 
 impl Stats {

@@ -155,15 +155,20 @@ impl Fixture {
 
     /// pgfence's `fence_checks` counter, from the admin console.
     async fn checks_done(&self) -> u64 {
+        self.stat("fence_checks").await
+    }
+
+    /// A counter of the admin console's `SHOW STATS`.
+    async fn stat(&self, name: &str) -> u64 {
         let admin = harness::connect_to(&self.proxy.connstr("pgfence")).await;
         for m in admin.simple_query("SHOW STATS").await.unwrap() {
             if let SimpleQueryMessage::Row(row) = m {
-                if row.get(0) == Some("fence_checks") {
+                if row.get(0) == Some(name) {
                     return row.get(1).unwrap().parse().unwrap();
                 }
             }
         }
-        panic!("SHOW STATS has no fence_checks");
+        panic!("SHOW STATS has no {name}");
     }
 }
 
@@ -1618,6 +1623,222 @@ async fn attribute_notation_on_a_value_is_checked() {
         fx.count("an").await,
         direct_writes + 1,
         "a stale write landed"
+    );
+}
+
+/// A session's answer from the read audit does not outlive a change of the schema. A
+/// session that started before a view calling a writer was created checks its reads once
+/// its answer is a second old (it asks again), and its stale read through the view is
+/// rejected. A session's own `CREATE VIEW` makes it check its reads at once and to its end:
+/// a leader that created such a view and was deposed right after cannot write through it.
+/// Meanwhile a session that only reads asks again about once a second, and skips nearly
+/// every check.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_read_audit_is_asked_again() {
+    let fx = Fixture::start(
+        "CREATE TABLE rq (tag text);
+         CREATE FUNCTION rq_write(tag text, n int) RETURNS boolean LANGUAGE plpgsql
+             AS $$ BEGIN INSERT INTO rq VALUES (tag); RETURN true; END $$;",
+        |c| {
+            c.admin.users = vec![SUPERUSER.into()];
+            c.fence.fast_path = false;
+        },
+    )
+    .await;
+    let r = "asked_again";
+    fx.leader(r, 34)
+        .await
+        .simple("INSERT INTO rq VALUES ('leader')")
+        .await
+        .unwrap();
+
+    // A session that only reads, for 2.5 s: it asks again, and its reads skip the check
+    // but for those made while an answer was out of date (one a question at most).
+    let mut reader = fx.leader(r, 33).await;
+    let (checks, questions) = (
+        fx.checks_done().await,
+        fx.stat("read_audit_questions").await,
+    );
+    let started = std::time::Instant::now();
+    let mut reads = 0;
+    while started.elapsed() < Duration::from_millis(2500) {
+        reader.simple("SELECT count(*) FROM rq").await.unwrap();
+        reader.extended("SELECT count(*) FROM rq").await.unwrap();
+        reads += 2;
+    }
+    let asked = fx.stat("read_audit_questions").await - questions;
+    let checked = fx.checks_done().await - checks;
+    assert!(
+        (1..=4).contains(&asked),
+        "{asked} questions in 2.5 s of reads (one a second expected)"
+    );
+    assert!(
+        checked <= asked,
+        "{checked} of {reads} reads checked, with {asked} questions"
+    );
+
+    // The question is a Query, which drops the unnamed statement: it never goes before a
+    // message that uses one the client parsed before (a Bind of it across a Sync), only
+    // before a message that drops or replaces it (a Query).
+    let mut raw = fx.raw_session(&format!("-c fencing.token=34 -c fencing.resource={r}"));
+    raw.send(
+        &[
+            wire::parse("", "SELECT count(*) FROM rq", &[]),
+            wire::sync(),
+        ]
+        .concat(),
+    );
+    raw.until_ready();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let questions = fx.stat("read_audit_questions").await;
+    raw.send(&[wire::bind("", "", &[]), wire::execute("", 0), wire::sync()].concat());
+    let replies = raw.until_ready();
+    assert!(
+        replies.iter().all(|m| m.tag != b'E'),
+        "the unnamed statement was lost: {replies:?}"
+    );
+    assert_eq!(
+        fx.stat("read_audit_questions").await,
+        questions,
+        "asked before a Bind of the unnamed statement"
+    );
+    assert_eq!(raw.query_rows("SELECT 1").len(), 1);
+    assert_eq!(
+        fx.stat("read_audit_questions").await,
+        questions + 1,
+        "not asked before a Query"
+    );
+    drop(raw);
+
+    // Another session's DDL: the reader's answer is out of date a second later.
+    fx.direct
+        .batch_execute("CREATE VIEW rq_v AS SELECT rq_write('view', 0) AS w")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    for protocol in PROTOCOLS {
+        reader
+            .expect_rejection(
+                protocol,
+                &["SELECT * FROM rq_v"],
+                &stale(r, 33, 34),
+                "a session older than the view",
+            )
+            .await;
+    }
+    assert_eq!(
+        fx.count("rq WHERE tag = 'view'").await,
+        0,
+        "a stale write landed"
+    );
+    fx.direct.batch_execute("DROP VIEW rq_v").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+
+    // The session's own DDL: the leader creates a view calling the writer, a new leader
+    // takes over, and the first one, deposed, reads through its view at once.
+    for (protocol, token) in [(Protocol::Simple, 34), (Protocol::Extended, 35)] {
+        let view = format!("rq_own_{token}");
+        let mut leader = fx.leader(r, token).await;
+        let checks = fx.checks_done().await;
+        leader.simple("SELECT count(*) FROM rq").await.unwrap();
+        assert_eq!(
+            fx.checks_done().await,
+            checks,
+            "{protocol:?}: reads are checked before the view"
+        );
+        let create = format!("CREATE VIEW {view} AS SELECT rq_write('{view}', 0) AS w");
+        match protocol {
+            Protocol::Simple => leader.simple(&create).await.unwrap(),
+            Protocol::Extended => leader.extended(&create).await.unwrap(),
+        }
+        fx.leader(r, token + 1)
+            .await
+            .simple("INSERT INTO rq VALUES ('new leader')")
+            .await
+            .unwrap();
+        let read = format!("SELECT * FROM {view}");
+        leader
+            .expect_rejection(
+                protocol,
+                &[&read],
+                &stale(r, token, token + 1),
+                "a deposed leader reading through its own view",
+            )
+            .await;
+        assert_eq!(
+            fx.count(&format!("rq WHERE tag = '{view}'")).await,
+            0,
+            "{protocol:?}: a stale write landed through the session's own view"
+        );
+        // Its reads stay checked after its answer's second (the audit leaves temporary
+        // objects out, so asking again would not tell).
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        let checks = fx.checks_done().await;
+        leader.simple("SELECT count(*) FROM rq").await.unwrap();
+        assert_eq!(
+            fx.checks_done().await,
+            checks + 1,
+            "{protocol:?}: a read after the session's own DDL was not checked"
+        );
+        // Gone again, so that the next round's leader starts with reads skipping the check.
+        fx.direct
+            .batch_execute(&format!("DROP VIEW {view}"))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+    }
+}
+
+/// A session whose question asked again gets no answer keeps checking its reads. After
+/// `SET ROLE` to a role that may not call pgfence's functions, the question fails (42501,
+/// which at a session's start means "reads skip the check as the classifier says"); a read
+/// through a view calling a `SECURITY DEFINER` writer, created since, then fails with the
+/// check, every time, rather than write unchecked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_question_asked_again_that_fails_keeps_reads_checked() {
+    let fx = Fixture::start(
+        "CREATE TABLE rr (tag text);
+         CREATE FUNCTION rr_write(tag text, n int) RETURNS boolean LANGUAGE plpgsql
+             SECURITY DEFINER AS $$ BEGIN INSERT INTO rr VALUES (tag); RETURN true; END $$;
+         CREATE ROLE rr_reader;
+         REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA pgfence FROM PUBLIC;",
+        |c| {
+            c.admin.users = vec![SUPERUSER.into()];
+            c.fence.fast_path = false;
+        },
+    )
+    .await;
+    let r = "asked_again_fails";
+    fx.leader(r, 34)
+        .await
+        .simple("INSERT INTO rr VALUES ('leader')")
+        .await
+        .unwrap();
+    // Reads skip the check (no view yet), so the SET ROLE is not checked either: a check
+    // after it, as rr_reader, would fail.
+    let stale_session = fx.leader(r, 33).await;
+    stale_session.simple("SET ROLE rr_reader").await.unwrap();
+    fx.direct
+        .batch_execute(
+            "CREATE VIEW rr_v AS SELECT rr_write('view', 0) AS w;
+             GRANT SELECT ON rr_v TO rr_reader;",
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // The first read is checked while the question is in flight; the second one after its
+    // answer.
+    for n in 1..=2 {
+        let result = stale_session.simple("SELECT * FROM rr_v").await;
+        assert!(
+            result.is_err(),
+            "read {n} as rr_reader through the view was not checked"
+        );
+    }
+    assert_eq!(
+        fx.count("rr WHERE tag = 'view'").await,
+        0,
+        "a stale write landed unchecked"
     );
 }
 

@@ -459,6 +459,7 @@ async fn simple_query_columns_and_content() {
             "fast_rejections",
             "fence_checks",
             "queries",
+            "read_audit_questions",
             "rejections",
             "servers_idle",
             "servers_reused",
@@ -533,7 +534,7 @@ async fn simple_query_columns_and_content() {
     let db = err.as_db_error().expect("a server error");
     assert_eq!(db.code().code(), "0A000", "{db:?}");
     assert!(db.message().contains("simple query protocol"), "{db:?}");
-    assert_eq!(show(&admin, "SHOW STATS").await.rows.len(), 9);
+    assert_eq!(show(&admin, "SHOW STATS").await.rows.len(), 10);
     assert!(
         admin.simple_query("").await.is_ok(),
         "an empty query is fine"

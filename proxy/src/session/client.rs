@@ -9,6 +9,7 @@ use fence_core::lexer::LexOptions;
 use crate::error::SessionError;
 use crate::protocol::message::{self as msg, Frontend};
 
+use super::read_audit::Verdict;
 use super::replies::{AfterCheck, Origin, Request};
 use super::tx::View;
 use super::{CommitCheck, CopyFromClient, CopyIn, Flow, Flushed, Hold, Session};
@@ -64,6 +65,38 @@ impl Session {
                 // (and would end a COPY the server started with a protocol error).
                 _ => self.copy_in = CopyIn::None,
             }
+        }
+        // (A Parse, or a Close of a statement, names it right after the 5-byte header.)
+        let unnamed = frame.get(5) == Some(&0);
+        match kind {
+            Frontend::Query | Frontend::Parse | Frontend::Bind | Frontend::FunctionCall
+                if self.verdict != Verdict::Fixed =>
+            {
+                // A Query drops the unnamed statement: pgfence's own only where the client's
+                // message would drop or replace it too, or there is none.
+                let drops_nothing = !self.unnamed_statement_alive
+                    || kind == Frontend::Query
+                    || (kind == Frontend::Parse && unnamed);
+                self.refresh_read_audit(drops_nothing);
+            }
+            _ => {}
+        }
+        self.batch_open = match kind {
+            Frontend::Parse
+            | Frontend::Bind
+            | Frontend::Describe
+            | Frontend::Execute
+            | Frontend::Close => true,
+            Frontend::Sync | Frontend::Query | Frontend::FunctionCall => false,
+            _ => self.batch_open,
+        };
+        match kind {
+            Frontend::Parse if unnamed => self.unnamed_statement_alive = true,
+            Frontend::Query => self.unnamed_statement_alive = false,
+            Frontend::Close if frame.get(5) == Some(&b'S') && frame.get(6) == Some(&0) => {
+                self.unnamed_statement_alive = false;
+            }
+            _ => {}
         }
         match kind {
             Frontend::Query => {

@@ -391,6 +391,12 @@ impl Session {
             self.tx.view = View::Unknown;
             self.inject_check(false);
         }
+        if prepared
+            .as_deref()
+            .is_some_and(|p| p.analysis.statements.iter().any(|s| s.changes_schema))
+        {
+            self.tx.note_schema_change();
+        }
         self.tx.on_statement(kind);
         self.note_copy_in(prepared.as_deref());
         self.forward(frame, Request::Execute);

@@ -400,6 +400,9 @@ async fn run_session(
     let mut kept_audit = None;
     if let Some((server, _, login)) = &mut parked {
         let ask = config.fence.enabled && read_audit::asks(&config) && known_audit.is_none();
+        if ask {
+            crate::state::Stats::add(&shared.stats.read_audit_questions);
+        }
         match kept::refresh_kept(server, login, RESET_TIMEOUT, ask).await {
             Ok(answer) => kept_audit = answer,
             Err(e) => {
@@ -465,8 +468,8 @@ async fn run_session(
         upstream_addr,
         stop.clone(),
     );
-    if let Some(known) = known_audit {
-        session.take_known_read_audit(known);
+    if let Some((learnt, known)) = known_audit {
+        session.take_known_read_audit(learnt, known);
     }
     session.tls = tls;
     session.client_cn = client_cn;
@@ -480,7 +483,7 @@ async fn run_session(
     } else if let Some(login) = reused {
         debug!("reusing an idle server connection");
         if let Some(answer) = kept_audit {
-            session.apply_read_audit(answer);
+            session.apply_read_audit(answer, false);
         }
         session.replay_login(login)?;
     }
@@ -627,8 +630,16 @@ pub(crate) struct Session {
     /// Whether reads may write in the database is still to be asked or answered
     /// ([`read_audit`]); meanwhile every transaction is checked.
     read_audit_asked: bool,
-    /// The answer so far, while [`Phase::ReadAudit`].
+    /// The answer so far, while [`Phase::ReadAudit`] or [`read_audit::Verdict::Asking`].
     read_audit_answer: read_audit::Answer,
+    /// When the session asks whether reads may write again ([`read_audit`]).
+    verdict: read_audit::Verdict,
+    /// A Parse, Bind, Describe, Execute or Close was sent since the client's last sync point:
+    /// nothing of pgfence's own may run in between.
+    batch_open: bool,
+    /// The client parsed the unnamed statement, and sent no Query since (which drops it):
+    /// a Query of pgfence's own would drop it behind the client's back.
+    unnamed_statement_alive: bool,
     /// The login's ReadyForQuery, held while [`Phase::ReadAudit`].
     read_audit_ready: Vec<u8>,
 }
@@ -703,6 +714,9 @@ impl Session {
             stop,
             read_audit_asked,
             read_audit_answer: read_audit::Answer::None,
+            verdict: read_audit::Verdict::Fixed,
+            batch_open: false,
+            unnamed_statement_alive: false,
             read_audit_ready: Vec::new(),
         }
     }

@@ -83,6 +83,9 @@ impl Session {
             return Err(SessionError::AtomicBodyInDoubt);
         }
         self.note_query(sql, analysis);
+        if analysis.statements.iter().any(|s| s.changes_schema) {
+            self.tx.note_schema_change();
+        }
         self.query_copies_in = analysis.statements.iter().any(|s| {
             s.kind == StatementKind::MayWrite
                 && may_be_copy(&sql[s.start..])

@@ -9,6 +9,17 @@
 //! false. Until the answer comes every transaction is checked; the client gets its login's
 //! ReadyForQuery only after it, so in practice no transaction runs before it.
 //!
+//! The answer holds for [`READ_AUDIT_REUSE`] (a second). The first Query, Parse, Bind or
+//! FunctionCall after that takes a newer answer another session of the database got, or
+//! else checks reads and asks again, right then if nothing is in flight and no batch is
+//! open, or at the first such message when that is so: the question goes before it, in a
+//! transaction of its own ([`Verdict`]). Reads are checked until the answer is in. Not
+//! before a message that uses the unnamed statement the client parsed earlier, which a
+//! Query drops: before the client's next Query, a Parse of the unnamed statement, or any
+//! of these once a Close of it or a Query has dropped it. After
+//! the session's own `CREATE` or `ALTER` ([`Statement::changes_schema`]) its reads are
+//! checked to its end, from that statement on (see `TxState::note_schema_change`).
+//!
 //! Where the function is missing (a schema older than version 9: an older one answers for
 //! an older classifier, with `pgfence.reads_may_write()`), every transaction is checked,
 //! and a WARN says so once per database. Where schema pgfence is missing (writes fail
@@ -18,14 +29,38 @@
 //! the schema or the function is not asked again for a minute (`state::READ_AUDIT_RETRY`):
 //! each question would log an error on the server.
 
+use std::time::Instant;
+
 use tracing::{info, warn};
 
 use crate::error::SessionError;
 use crate::protocol::message as msg;
 
-use crate::state::ReadAuditKnown;
+use crate::state::{ReadAuditKnown, Stats, READ_AUDIT_REUSE};
 
-use super::{Hold, Phase, Session};
+use super::replies::{Injected, Origin, Request};
+use super::tx::View;
+use super::{CommitCheck, Flushed, Hold, Phase, Session};
+
+#[cfg(doc)]
+use fence_core::classify::Statement;
+
+/// Where the session stands with the read audit's answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Verdict {
+    /// Not asked again: the session does not ask (the fence off, `fence.read_audit` or
+    /// `fence.skip_read_only` false), has not had its first answer yet, or had no verdict
+    /// for an answer (no schema, an older one, a failure), which holds for the session.
+    Fixed,
+    /// The database's verdict, given at `learnt`, good until [`READ_AUDIT_REUSE`] after.
+    Known { learnt: Instant },
+    /// Out of date: reads are checked until the session asks, when nothing is in flight
+    /// and no batch is open.
+    Due,
+    /// The question is in flight ([`Injected::ReadAudit`]); reads are checked until its
+    /// answer is in.
+    Asking,
+}
 
 /// Whether sessions under `config` ask the question (those with the fence on).
 pub(super) fn asks(config: &pgfence_config::Config) -> bool {
@@ -80,12 +115,50 @@ impl Answer {
 
 impl Session {
     /// Puts the answer in force: checks reads unless the database said they cannot write.
-    pub(super) fn apply_read_audit(&mut self, answer: Answer) {
+    /// `again`: the session asked again ([`Verdict::Asking`]).
+    pub(super) fn apply_read_audit(&mut self, answer: Answer, again: bool) {
         self.read_audit_asked = false;
+        let verdict = matches!(answer, Answer::MayWrite(_));
         if let Answer::MayWrite(may_write) = answer {
             self.shared
                 .learn_read_audit(&self.database, ReadAuditKnown::MayWrite(may_write));
         }
+        if self.tx.schema_changed {
+            // The session's own DDL went after the question: its reads stay checked.
+            self.verdict = Verdict::Fixed;
+            return;
+        }
+        if again && !verdict {
+            // Answered at the start, not now: the session's role may have changed (`SET
+            // ROLE` to one without EXECUTE), or its settings (a `statement_timeout`), or
+            // the schema. Whatever it was, reads stay checked: a check that cannot run
+            // fails the read, where skipping it could let a write through.
+            self.tx.check_reads = true;
+            self.tx.audited = false;
+            self.verdict = Verdict::Fixed;
+            let (code, message) = match &answer {
+                Answer::Failed(code, message) => (code.as_str(), message.as_str()),
+                _ => ("", "no answer"),
+            };
+            self.warn_once(
+                "read audit unanswered again",
+                code,
+                message,
+                format_args!(
+                    "asking again whether reads may write failed: this session checks every \
+                     transaction from now on, reads too (logged once per database)"
+                ),
+            );
+            return;
+        }
+        self.tx.audited = verdict;
+        self.verdict = if verdict {
+            Verdict::Known {
+                learnt: Instant::now(),
+            }
+        } else {
+            Verdict::Fixed
+        };
         match answer {
             Answer::MayWrite(false) => self.tx.check_reads = false,
             Answer::MayWrite(true) | Answer::None => {
@@ -172,12 +245,76 @@ impl Session {
     /// Takes what another session of the database learnt lately, instead of asking: reads
     /// are checked where it said they may write or found the schema older than version 9
     /// (without the schema, they skip as the classifier says).
-    pub(super) fn take_known_read_audit(&mut self, known: ReadAuditKnown) {
+    pub(super) fn take_known_read_audit(&mut self, learnt: Instant, known: ReadAuditKnown) {
         if std::mem::take(&mut self.read_audit_asked) {
             self.tx.check_reads = matches!(
                 known,
                 ReadAuditKnown::MayWrite(true) | ReadAuditKnown::OldSchema
             );
+            if let ReadAuditKnown::MayWrite(_) = known {
+                self.tx.audited = true;
+                self.verdict = Verdict::Known { learnt };
+            }
+        }
+    }
+
+    /// Before a client's Query, Parse, Bind or FunctionCall: asks the question again where
+    /// the answer is out of date (see the module documentation). `may_ask`: a Query sent
+    /// now drops nothing of the client's (see `Session::unnamed_statement_alive`).
+    #[inline]
+    pub(super) fn refresh_read_audit(&mut self, may_ask: bool) {
+        match self.verdict {
+            Verdict::Fixed | Verdict::Asking => {}
+            _ if self.tx.schema_changed => self.verdict = Verdict::Fixed,
+            Verdict::Known { learnt } => {
+                if learnt.elapsed() >= READ_AUDIT_REUSE {
+                    self.read_audit_out_of_date(learnt, may_ask);
+                }
+            }
+            Verdict::Due if may_ask => self.ask_read_audit_if_quiet(),
+            Verdict::Due => {}
+        }
+    }
+
+    /// The answer learnt at `learnt` is out of date: takes a newer one another session got,
+    /// or else asks.
+    #[cold]
+    fn read_audit_out_of_date(&mut self, learnt: Instant, may_ask: bool) {
+        if let Some((at, ReadAuditKnown::MayWrite(may_write))) =
+            self.shared.known_read_audit(&self.database)
+        {
+            if at > learnt {
+                self.tx.check_reads = may_write;
+                self.verdict = Verdict::Known { learnt: at };
+                return;
+            }
+        }
+        self.tx.check_reads = true;
+        self.verdict = Verdict::Due;
+        if may_ask {
+            self.ask_read_audit_if_quiet();
+        }
+    }
+
+    /// Sends the question, in a transaction of its own before the client's message being
+    /// handled, when nothing is in flight, no block is open and no batch of the client's
+    /// has begun (a Query there would end the batch's implicit transaction, and drop its
+    /// unnamed statement).
+    fn ask_read_audit_if_quiet(&mut self) {
+        let quiet = self.tx.view == View::Idle
+            && self.replies.is_empty()
+            && !self.batch_open
+            && !self.tx.batch_has_execute
+            && self.commit_check == CommitCheck::None
+            && self.hold == Hold::None
+            && self.flushed == Flushed::No;
+        if quiet {
+            msg::query(&mut self.to_server, QUERY);
+            self.replies
+                .push(Request::Query, Origin::Injected(Injected::ReadAudit));
+            self.read_audit_answer = Answer::None;
+            self.verdict = Verdict::Asking;
+            Stats::add(&self.shared.stats.read_audit_questions);
         }
     }
 
@@ -185,6 +322,7 @@ impl Session {
     /// ReadyForQuery back, and what the client sends meanwhile, until the answer is in.
     pub(super) fn ask_read_audit(&mut self, ready: &[u8]) {
         msg::query(&mut self.to_server, QUERY);
+        Stats::add(&self.shared.stats.read_audit_questions);
         self.read_audit_ready = ready.to_vec();
         self.phase = Phase::ReadAudit;
         self.hold = Hold::Waiting;
@@ -211,7 +349,7 @@ impl Session {
                     return Err(SessionError::UnexpectedServerMessage('Z'));
                 }
                 let answer = std::mem::take(&mut self.read_audit_answer);
-                self.apply_read_audit(answer);
+                self.apply_read_audit(answer, false);
                 let ready = std::mem::take(&mut self.read_audit_ready);
                 self.phase = Phase::Auth;
                 self.hold = Hold::None;

@@ -121,6 +121,9 @@ pub enum Injected {
     /// `Session::learns_state_first`). The ParameterStatus messages before it are held for
     /// the client's next ReadyForQuery, where PostgreSQL would have sent them.
     StateSync,
+    /// The read audit's question again, while the session is idle with nothing in flight
+    /// (see `Session::refresh_read_audit`): its replies are pgfence's alone.
+    ReadAudit,
 }
 
 /// What to do once a check that ran in its own Sync is answered.

@@ -74,6 +74,9 @@ impl Session {
                 _ => self.forward_if_client(frame),
             },
             Backend::DataRow => match self.replies.front() {
+                Some(p) if p.origin == Origin::Injected(Injected::ReadAudit) => {
+                    self.read_audit_answer.on_reply(b'D', frame)?;
+                }
                 Some(p)
                     if p.origin == Origin::Injected(Injected::Check)
                         || (p.request == Request::Query && p.plan.in_check()) =>
@@ -208,6 +211,24 @@ impl Session {
     // select-only transaction under callgrind).
     #[inline(never)]
     fn on_error(&mut self, frame: &[u8]) {
+        if self
+            .replies
+            .front()
+            .is_some_and(|p| p.origin == Origin::Injected(Injected::ReadAudit))
+        {
+            // The read audit's question, asked again (nothing else was in flight): the
+            // session checks reads (see `Session::apply_read_audit`). A FATAL error ends the
+            // session as the server's.
+            let fields = msg::error_fields(frame);
+            if matches!(fields.severity, b"FATAL" | b"PANIC") {
+                self.to_client.extend_from_slice(frame);
+            }
+            self.read_audit_answer = super::read_audit::Answer::Failed(
+                String::from_utf8_lossy(fields.code).into_owned(),
+                String::from_utf8_lossy(fields.message).into_owned(),
+            );
+            return;
+        }
         if self.copy_from_client == CopyFromClient::Running {
             // The COPY failed: the server left copy-in mode (and drops copy data from now).
             self.copy_from_client = CopyFromClient::None;
@@ -648,6 +669,10 @@ impl Session {
             Some(Origin::Injected(
                 Injected::ResetHint | Injected::PrepareIdle(_) | Injected::StateSync,
             )) => {}
+            Some(Origin::Injected(Injected::ReadAudit)) => {
+                let answer = std::mem::take(&mut self.read_audit_answer);
+                self.apply_read_audit(answer, true);
+            }
             Some(Origin::Injected(Injected::CheckSync(AfterCheck::Release))) => {
                 self.hold = if self.check_failed {
                     Hold::Failed(status)

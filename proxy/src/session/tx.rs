@@ -44,8 +44,14 @@ pub struct TxState {
     /// The last transaction control sent since the last sync point is a `BEGIN`: at the
     /// next Sync nothing commits (see [`TxState::sync_needs_check`]).
     pub batch_begun: bool,
-    /// Check read-only statements too (`fence.skip_read_only = false`).
+    /// Check read-only statements too (`fence.skip_read_only = false`, or the read audit's
+    /// verdict: see `Session::apply_read_audit`).
     pub check_reads: bool,
+    /// `check_reads` is the read audit's verdict.
+    pub audited: bool,
+    /// A statement that [changes the schema](fence_core::classify::Statement::changes_schema)
+    /// was sent while `audited`: the session checks its reads from then on.
+    pub schema_changed: bool,
 }
 
 /// Where a simple Query needs checks.
@@ -76,6 +82,22 @@ impl TxState {
             batch_pipelined: false,
             batch_begun: false,
             check_reads,
+            audited: false,
+            schema_changed: false,
+        }
+    }
+
+    /// A statement that changes the schema is being sent: where reads follow the read
+    /// audit, they are checked from here (in this Query, too) to the session's end. The
+    /// audit leaves out temporary relations, which only their session reads through, and
+    /// the text does not tell whether the object is one or hangs on one (a policy on a
+    /// temporary table): asking again would not do.
+    #[cold]
+    pub fn note_schema_change(&mut self) {
+        if self.audited {
+            self.check_reads = true;
+            self.audited = false;
+            self.schema_changed = true;
         }
     }
 
