@@ -694,16 +694,28 @@ fn a_backend_that_dies_gives_fatal_08006() {
     assert_error(&replies[0], "FATAL", "57P05");
 }
 
-/// Logs in through `proxy` once PostgreSQL, restarting after a crash, takes logins again.
+/// Logs in through `proxy` once PostgreSQL, restarting after a crash, takes logins again:
+/// a session that still answers `SELECT 1` 300 ms after its login (a login taken before the
+/// postmaster saw the crash is ended by its restart; a loaded machine once showed one).
 fn login_after_restart(proxy: SocketAddr) -> RawConn {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let mut conn = RawConn::connect(proxy);
         conn.send(&wire::startup(SUPERUSER, APP_DB));
         let mut seen = Vec::new();
+        let mut logged_in = false;
         loop {
             match conn.next(Duration::from_secs(10)) {
-                Ok(Read1::Msg(m)) if m.tag == b'Z' => return conn,
+                Ok(Read1::Msg(m)) if m.tag == b'Z' && logged_in => return conn,
+                Ok(Read1::Msg(m)) if m.tag == b'Z' => {
+                    logged_in = true;
+                    std::thread::sleep(Duration::from_millis(300));
+                    conn.send(&wire::query("SELECT 1"));
+                }
+                Ok(Read1::Msg(m)) if m.tag == b'E' => {
+                    seen.push(m);
+                    break;
+                }
                 Ok(Read1::Msg(m)) => seen.push(m),
                 Ok(Read1::Closed) | Err(_) => break,
             }
