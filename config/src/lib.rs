@@ -355,6 +355,12 @@ pub struct Fence {
     /// true. `false` trusts the classifier alone (a read that writes through such an object
     /// then commits unchecked). Default `true`.
     pub read_audit: bool,
+    /// How old an answer of the read audit a session acts on: once its answer is older, the
+    /// session's next transaction checks its reads and asks again (or takes another
+    /// session's answer younger than this). Sessions starting take another's answer as
+    /// young. `0s` asks before every transaction. Default `1s`.
+    #[serde(with = "humantime_serde")]
+    pub read_audit_max_age: Duration,
     /// Create or upgrade schema `pgfence` in these databases when the proxy starts.
     /// Default: not set, do not install (run `pgfence install` instead).
     pub install: Option<InstallOnStart>,
@@ -376,6 +382,7 @@ impl Default for Fence {
             fast_path: true,
             skip_read_only: true,
             read_audit: true,
+            read_audit_max_age: Duration::from_secs(1),
             install: None,
             grant_to: None,
             on_missing_token: OnMissingToken::Reject,

@@ -195,9 +195,10 @@ pub struct Statement {
     pub commits_at_once: bool,
     /// `CREATE` or `ALTER` of an object that may give a read a way to call a function of
     /// the database's own (a view, a function, a policy, a rule, a cast, ...): any but
-    /// `CREATE [TEMPORARY | UNLOGGED] TABLE`, `CREATE [UNIQUE] INDEX` and `CREATE
-    /// SEQUENCE`. After it, the proxy checks the session's reads to its end (the read
-    /// audit's answer may no longer hold, and leaves the session's temporary objects out).
+    /// `CREATE SEQUENCE`, a `CREATE TABLE` without `CHECK`, `EXCLUDE`, `INHERITS` or
+    /// `PARTITION`, and a `CREATE INDEX` without an expression or `WHERE`. After it, the
+    /// proxy checks the session's reads to its end (the read audit's answer may no longer
+    /// hold, and leaves the session's temporary objects out).
     pub changes_schema: bool,
 }
 

@@ -47,11 +47,6 @@ pub struct Shared {
 /// server.
 pub const READ_AUDIT_RETRY: std::time::Duration = std::time::Duration::from_secs(60);
 
-/// How long sessions starting in a database take another session's answer of
-/// `pgfence.reads_may_write(9)` rather than asking (a client that connects for each
-/// transaction would otherwise pay the question each time).
-pub const READ_AUDIT_REUSE: std::time::Duration = std::time::Duration::from_secs(1);
-
 /// What is known of a database's `pgfence.reads_may_write(9)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReadAuditKnown {
@@ -118,31 +113,45 @@ impl Shared {
     }
 
     /// What a session starting now may take as the answer of `pgfence.reads_may_write(9)`
-    /// in `database`, without asking: an answer given less than [`READ_AUDIT_REUSE`] ago,
+    /// in `database`, without asking: an answer given less than `max_age` ago
+    /// (`fence.read_audit_max_age`: a client that connects for each transaction would
+    /// otherwise pay the question each time),
     /// or the lack of the function found less than [`READ_AUDIT_RETRY`] ago; with when it
     /// was learnt.
-    pub fn known_read_audit(&self, database: &str) -> Option<(std::time::Instant, ReadAuditKnown)> {
+    pub fn known_read_audit(
+        &self,
+        database: &str,
+        max_age: std::time::Duration,
+    ) -> Option<(std::time::Instant, ReadAuditKnown)> {
         let map = self
             .read_audit
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         let &(at, known) = map.get(database)?;
         let fresh_for = match known {
-            ReadAuditKnown::MayWrite(_) => READ_AUDIT_REUSE,
+            ReadAuditKnown::MayWrite(_) => max_age,
             ReadAuditKnown::NoFunction | ReadAuditKnown::OldSchema => READ_AUDIT_RETRY,
         };
         (at.elapsed() < fresh_for).then_some((at, known))
     }
 
-    /// Remembers what a session learnt of `database`.
-    pub fn learn_read_audit(&self, database: &str, known: ReadAuditKnown) {
+    /// Remembers what a session learnt of `database`, by a question sent at `at`, unless a
+    /// question sent later was answered first.
+    pub fn learn_read_audit(&self, database: &str, known: ReadAuditKnown, at: std::time::Instant) {
         if known == ReadAuditKnown::NoFunction {
             self.read_audit_missing.store(true, Ordering::Relaxed);
         }
-        self.read_audit
+        let mut map = self
+            .read_audit
             .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(database.to_string(), (std::time::Instant::now(), known));
+            .unwrap_or_else(PoisonError::into_inner);
+        match map.get_mut(database) {
+            Some(entry) if entry.0 > at => {}
+            Some(entry) => *entry = (at, known),
+            None => {
+                map.insert(database.to_string(), (at, known));
+            }
+        }
     }
 
     /// A check ran in `database`, so schema pgfence is there now: a lack of it found

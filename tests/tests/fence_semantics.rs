@@ -1638,7 +1638,9 @@ async fn the_read_audit_is_asked_again() {
     let fx = Fixture::start(
         "CREATE TABLE rq (tag text);
          CREATE FUNCTION rq_write(tag text, n int) RETURNS boolean LANGUAGE plpgsql
-             AS $$ BEGIN INSERT INTO rq VALUES (tag); RETURN true; END $$;",
+             AS $$ BEGIN INSERT INTO rq VALUES (tag); RETURN true; END $$;
+         CREATE FUNCTION rq_chk(n int) RETURNS int LANGUAGE plpgsql IMMUTABLE
+             AS $$ BEGIN PERFORM rq_write('check', n); RETURN n; END $$;",
         |c| {
             c.admin.users = vec![SUPERUSER.into()];
             c.fence.fast_path = false;
@@ -1787,6 +1789,118 @@ async fn the_read_audit_is_asked_again() {
             .unwrap();
         tokio::time::sleep(Duration::from_millis(1200)).await;
     }
+
+    // A temporary child table whose CHECK calls a writer: the planner runs it for a plain
+    // SELECT of the parent (constraint exclusion), and the audit leaves temporary relations
+    // out. Directly, such a read writes; the session's own CREATE TABLE counts.
+    let temp_tables = "CREATE TEMP TABLE rq_tp (a int);
+         CREATE TEMP TABLE rq_tc (CHECK (a > rq_chk(0))) INHERITS (rq_tp)";
+    let other = fx.cluster.connect(APP_DB).await;
+    other.batch_execute(temp_tables).await.unwrap();
+    let before = fx.count("rq WHERE tag = 'check'").await;
+    other
+        .batch_execute("SELECT * FROM rq_tp WHERE a = 1")
+        .await
+        .unwrap();
+    assert!(
+        fx.count("rq WHERE tag = 'check'").await > before,
+        "directly, the read did not write: the test proves nothing"
+    );
+    drop(other);
+    let before = fx.count("rq WHERE tag = 'check'").await;
+    let mut leader = fx.leader(r, 37).await;
+    leader.simple(temp_tables).await.unwrap();
+    fx.leader(r, 38)
+        .await
+        .simple("INSERT INTO rq VALUES ('new leader')")
+        .await
+        .unwrap();
+    leader
+        .expect_rejection(
+            Protocol::Simple,
+            &["SELECT * FROM rq_tp WHERE a = 1"],
+            &stale(r, 37, 38),
+            "a deposed leader reading its temporary table with a CHECK",
+        )
+        .await;
+    assert_eq!(
+        fx.count("rq WHERE tag = 'check'").await,
+        before,
+        "a stale write landed through a temporary table's CHECK"
+    );
+}
+
+/// A session that started while its database had no schema `pgfence` (reads skip the check
+/// as the classifier says) follows the read audit once the schema is installed: a view
+/// calling a writer created after the install makes its stale read fail. The question's
+/// own notices (a `log_statement` echo) do not reach the client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_opened_before_the_schema_follows_the_audit_after_it() {
+    let fx = Fixture::start(
+        "CREATE TABLE rm (tag text);
+         CREATE FUNCTION rm_write(tag text, n int) RETURNS boolean LANGUAGE plpgsql
+             AS $$ BEGIN INSERT INTO rm VALUES (tag); RETURN true; END $$;
+         DROP SCHEMA pgfence CASCADE;",
+        |c| {
+            c.admin.users = vec![SUPERUSER.into()];
+            c.fence.fast_path = false;
+        },
+    )
+    .await;
+    let r = "before_the_schema";
+    let mut stale_session = fx.leader(r, 33).await;
+    stale_session
+        .simple("SELECT count(*) FROM rm")
+        .await
+        .unwrap();
+    install(&fx.direct).await;
+    fx.direct
+        .batch_execute("CREATE VIEW rm_v AS SELECT rm_write('view', 0) AS w")
+        .await
+        .unwrap();
+    fx.leader(r, 34)
+        .await
+        .simple("INSERT INTO rm VALUES ('leader')")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    for protocol in PROTOCOLS {
+        stale_session
+            .expect_rejection(
+                protocol,
+                &["SELECT * FROM rm_v"],
+                &stale(r, 33, 34),
+                "a session opened before pgfence install",
+            )
+            .await;
+    }
+    assert_eq!(
+        fx.count("rm WHERE tag = 'view'").await,
+        0,
+        "a stale write landed"
+    );
+
+    // The question asked again says nothing to the client.
+    let mut session = fx.leader(r, 34).await;
+    session
+        .simple("SET client_min_messages = log; SET log_statement = 'all'")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    session.simple("SELECT 1").await.unwrap();
+    session.simple("SELECT 2").await.unwrap();
+    let mut seen = Vec::new();
+    while let Ok(notice) = session.notices.try_recv() {
+        seen.push(notice.message().to_string());
+    }
+    assert!(
+        seen.iter().any(|m| m.contains("SELECT 2")),
+        "no statement echo at all: {seen:?}"
+    );
+    assert!(
+        !seen.iter().any(|m| m.contains("reads_may_write")),
+        "the question's notice reached the client: {seen:?}"
+    );
 }
 
 /// A session whose question asked again gets no answer keeps checking its reads. After

@@ -1584,7 +1584,11 @@ fn same_replies(plan: Run, draw: Draw) {
         );
         W_OID.set(Some(oids[0].trim().parse().expect("an oid")));
     }
-    let fenced_proxy = Proxy::for_cluster(&fenced);
+    // The read audit asked again before every transaction where it may be: its question,
+    // injected between the client's messages, must change nothing the client sees.
+    let mut config = Proxy::config_for(&fenced);
+    config.fence.read_audit_max_age = Duration::ZERO;
+    let fenced_proxy = Proxy::start(config);
     let mut config = Proxy::config_for(&plain);
     config.fence.enabled = false;
     let plain_proxy = Proxy::start(config);

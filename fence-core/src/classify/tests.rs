@@ -700,14 +700,20 @@ fn changes_schema() {
         "ALTER FUNCTION f() SECURITY DEFINER",
         // Past the words kept: counted.
         "CREATE OR REPLACE TEMP UNLOGGED GLOBAL LOCAL TABLE t (a int)",
+        // Tables and indexes that call a function (temporary ones are not audited).
+        "CREATE TEMP TABLE c (CHECK (a > f(0))) INHERITS (p)",
+        "CREATE TEMP TABLE c (a int CHECK (a > f(0)))",
+        "CREATE TEMP TABLE p (a int) PARTITION BY RANGE (f(a))",
+        "CREATE INDEX ON t ((a + f(0)))",
+        "create unique index i on t (lower(a)) where g(a)",
     ] {
         assert!(changes(sql), "{sql}");
     }
     for sql in [
-        "CREATE TABLE t (a int DEFAULT f())",
-        "create temporary table t (a int) on commit drop",
+        "create temporary table t (a int, b text not null, primary key (a, b)) on commit drop",
+        "CREATE TEMP TABLE t (a int NOT NULL DEFAULT f(), b numeric(10, 2) UNIQUE)",
         "CREATE UNLOGGED TABLE t AS SELECT 1",
-        "CREATE UNIQUE INDEX i ON t (f(a))",
+        "CREATE UNIQUE INDEX i ON t (a, b)",
         "CREATE SEQUENCE s",
         "DROP VIEW v",
         "SELECT 'CREATE VIEW v'",

@@ -66,11 +66,14 @@ impl Session {
                 _ => self.copy_in = CopyIn::None,
             }
         }
-        // (A Parse, or a Close of a statement, names it right after the 5-byte header.)
+        // (A Parse names its statement right after the 5-byte header.)
         let unnamed = frame.get(5) == Some(&0);
+        // Nothing in flight that may fail and make the server skip a Query sent now, which
+        // then drops the unnamed statement (a Close of it may be skipped so: not counted).
+        let query_runs = kind == Frontend::Query && self.replies.is_empty();
         match kind {
             Frontend::Query | Frontend::Parse | Frontend::Bind | Frontend::FunctionCall
-                if self.verdict != Verdict::Fixed =>
+                if self.verdict != Verdict::Fixed && !self.handled_again =>
             {
                 // A Query drops the unnamed statement: pgfence's own only where the client's
                 // message would drop or replace it too, or there is none.
@@ -90,18 +93,16 @@ impl Session {
             Frontend::Sync | Frontend::Query | Frontend::FunctionCall => false,
             _ => self.batch_open,
         };
-        match kind {
-            Frontend::Parse if unnamed => self.unnamed_statement_alive = true,
-            Frontend::Query => self.unnamed_statement_alive = false,
-            Frontend::Close if frame.get(5) == Some(&b'S') && frame.get(6) == Some(&0) => {
-                self.unnamed_statement_alive = false;
-            }
-            _ => {}
+        if kind == Frontend::Parse && unnamed {
+            self.unnamed_statement_alive = true;
         }
         match kind {
             Frontend::Query => {
                 let queued = self.to_server.len();
                 let flow = self.on_query(frame)?;
+                if query_runs && flow != Flow::Hold && self.to_server.len() > queued {
+                    self.unnamed_statement_alive = false;
+                }
                 // Counted once: a Query held comes back here to be handled again.
                 if flow != Flow::Hold {
                     self.shared.stats.queries.add();

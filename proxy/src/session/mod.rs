@@ -396,12 +396,14 @@ async fn run_session(
             Stream::from_std(p.stream).ok().map(|s| (s, born, login))
         });
     // Sessions on a kept connection ask whether reads may write with its refresh.
-    let known_audit = shared.known_read_audit(&startup.database());
+    let known_audit = shared.known_read_audit(&startup.database(), config.fence.read_audit_max_age);
     let mut kept_audit = None;
+    let mut kept_asked_at = Instant::now();
     if let Some((server, _, login)) = &mut parked {
         let ask = config.fence.enabled && read_audit::asks(&config) && known_audit.is_none();
         if ask {
             crate::state::Stats::add(&shared.stats.read_audit_questions);
+            kept_asked_at = Instant::now();
         }
         match kept::refresh_kept(server, login, RESET_TIMEOUT, ask).await {
             Ok(answer) => kept_audit = answer,
@@ -483,7 +485,7 @@ async fn run_session(
     } else if let Some(login) = reused {
         debug!("reusing an idle server connection");
         if let Some(answer) = kept_audit {
-            session.apply_read_audit(answer, false);
+            session.apply_read_audit(answer, kept_asked_at, false);
         }
         session.replay_login(login)?;
     }
@@ -634,12 +636,18 @@ pub(crate) struct Session {
     read_audit_answer: read_audit::Answer,
     /// When the session asks whether reads may write again ([`read_audit`]).
     verdict: read_audit::Verdict,
+    /// `fence.read_audit_max_age` when the session started.
+    read_audit_max_age: std::time::Duration,
     /// A Parse, Bind, Describe, Execute or Close was sent since the client's last sync point:
     /// nothing of pgfence's own may run in between.
     batch_open: bool,
     /// The client parsed the unnamed statement, and sent no Query since (which drops it):
     /// a Query of pgfence's own would drop it behind the client's back.
     unnamed_statement_alive: bool,
+    /// The client message being handled was held before (`Flow::Hold`): it is not asked
+    /// about again (asking made it wait for the answer, and asking again each time it came
+    /// back would hold it for ever).
+    handled_again: bool,
     /// The login's ReadyForQuery, held while [`Phase::ReadAudit`].
     read_audit_ready: Vec<u8>,
 }
@@ -715,8 +723,10 @@ impl Session {
             read_audit_asked,
             read_audit_answer: read_audit::Answer::None,
             verdict: read_audit::Verdict::Fixed,
+            read_audit_max_age: config.fence.read_audit_max_age,
             batch_open: false,
             unnamed_statement_alive: false,
+            handled_again: false,
             read_audit_ready: Vec::new(),
         }
     }
@@ -972,6 +982,8 @@ impl Session {
                 Phase::Ready => self.on_client_frame(tag, frame)?,
                 Phase::Admin => self.on_admin_frame(tag, frame)?,
             };
+            // A message held comes back to be handled again (see `read_audit`).
+            self.handled_again = flow == Flow::Hold;
             if flow == Flow::Hold {
                 break;
             }

@@ -9,7 +9,7 @@
 //! false. Until the answer comes every transaction is checked; the client gets its login's
 //! ReadyForQuery only after it, so in practice no transaction runs before it.
 //!
-//! The answer holds for [`READ_AUDIT_REUSE`] (a second). The first Query, Parse, Bind or
+//! The answer holds for `fence.read_audit_max_age` (a second). The first Query, Parse, Bind or
 //! FunctionCall after that takes a newer answer another session of the database got, or
 //! else checks reads and asks again, right then if nothing is in flight and no batch is
 //! open, or at the first such message when that is so: the question goes before it, in a
@@ -36,7 +36,7 @@ use tracing::{info, warn};
 use crate::error::SessionError;
 use crate::protocol::message as msg;
 
-use crate::state::{ReadAuditKnown, Stats, READ_AUDIT_REUSE};
+use crate::state::{ReadAuditKnown, Stats};
 
 use super::replies::{Injected, Origin, Request};
 use super::tx::View;
@@ -45,6 +45,19 @@ use super::{CommitCheck, Flushed, Hold, Phase, Session};
 #[cfg(doc)]
 use fence_core::classify::Statement;
 
+/// Nanoseconds on `CLOCK_MONOTONIC_COARSE` (a few milliseconds of resolution), read before
+/// every Query, Parse, Bind and FunctionCall of a session that follows the audit:
+/// `Instant::now()` there cost about 60 instructions more per message (callgrind, select-only
+/// `-M prepared`).
+#[inline]
+fn coarse_now() -> u64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::MonotonicCoarse);
+    u64::try_from(t.tv_sec)
+        .unwrap_or(0)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(u64::try_from(t.tv_nsec).unwrap_or(0))
+}
+
 /// Where the session stands with the read audit's answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Verdict {
@@ -52,14 +65,21 @@ pub(super) enum Verdict {
     /// `fence.skip_read_only` false), has not had its first answer yet, or had no verdict
     /// for an answer (no schema, an older one, a failure), which holds for the session.
     Fixed,
-    /// The database's verdict, given at `learnt`, good until [`READ_AUDIT_REUSE`] after.
-    Known { learnt: Instant },
+    /// The database's verdict, given at `learnt`, good until `fence.read_audit_max_age`
+    /// after: until `expires` on the [coarse clock](coarse_now).
+    Known { learnt: Instant, expires: u64 },
     /// Out of date: reads are checked until the session asks, when nothing is in flight
     /// and no batch is open.
     Due,
-    /// The question is in flight ([`Injected::ReadAudit`]); reads are checked until its
-    /// answer is in.
-    Asking,
+    /// The question, sent at `since`, is in flight (at the session's start, or again as
+    /// [`Injected::ReadAudit`]); reads are checked until its answer is in.
+    Asking { since: Instant },
+    /// The database had no schema `pgfence` when asked at `learnt` (reads skip the check
+    /// as the classifier says): asked again once the lack is no longer known (a check ran
+    /// there, or `state::READ_AUDIT_RETRY` passed), so that a session opened before
+    /// `pgfence install` follows the audit after it. Looked at again at `expires` on the
+    /// [coarse clock](coarse_now).
+    Missing { expires: u64 },
 }
 
 /// Whether sessions under `config` ask the question (those with the fence on).
@@ -115,20 +135,26 @@ impl Answer {
 
 impl Session {
     /// Puts the answer in force: checks reads unless the database said they cannot write.
-    /// `again`: the session asked again ([`Verdict::Asking`]).
-    pub(super) fn apply_read_audit(&mut self, answer: Answer, again: bool) {
+    /// `asked_at`: when the question was sent (the answer is as old as that: a question
+    /// that waited, behind a lock or a `DEFERRABLE` snapshot, answers for the moment it
+    /// started); `again`: the session asked again.
+    pub(super) fn apply_read_audit(&mut self, answer: Answer, asked_at: Instant, again: bool) {
         self.read_audit_asked = false;
         let verdict = matches!(answer, Answer::MayWrite(_));
+        let missing = matches!(&answer, Answer::Failed(code, _) if code == "3F000");
         if let Answer::MayWrite(may_write) = answer {
-            self.shared
-                .learn_read_audit(&self.database, ReadAuditKnown::MayWrite(may_write));
+            self.shared.learn_read_audit(
+                &self.database,
+                ReadAuditKnown::MayWrite(may_write),
+                asked_at,
+            );
         }
         if self.tx.schema_changed {
             // The session's own DDL went after the question: its reads stay checked.
             self.verdict = Verdict::Fixed;
             return;
         }
-        if again && !verdict {
+        if again && !verdict && !missing {
             // Answered at the start, not now: the session's role may have changed (`SET
             // ROLE` to one without EXECUTE), or its settings (a `statement_timeout`), or
             // the schema. Whatever it was, reads stay checked: a check that cannot run
@@ -154,7 +180,12 @@ impl Session {
         self.tx.audited = verdict;
         self.verdict = if verdict {
             Verdict::Known {
-                learnt: Instant::now(),
+                learnt: asked_at,
+                expires: self.read_audit_expiry(asked_at),
+            }
+        } else if missing {
+            Verdict::Missing {
+                expires: self.read_audit_expiry(asked_at),
             }
         } else {
             Verdict::Fixed
@@ -176,7 +207,7 @@ impl Session {
             Answer::Failed(code, message) if code == OLD_SCHEMA => {
                 self.tx.check_reads = true;
                 self.shared
-                    .learn_read_audit(&self.database, ReadAuditKnown::OldSchema);
+                    .learn_read_audit(&self.database, ReadAuditKnown::OldSchema, asked_at);
                 self.warn_once(
                     "read audit failed",
                     &code,
@@ -195,8 +226,11 @@ impl Session {
             Answer::Failed(code, message) if NOT_ASKABLE.contains(&code.as_str()) => {
                 self.tx.check_reads = false;
                 if code == "3F000" {
-                    self.shared
-                        .learn_read_audit(&self.database, ReadAuditKnown::NoFunction);
+                    self.shared.learn_read_audit(
+                        &self.database,
+                        ReadAuditKnown::NoFunction,
+                        asked_at,
+                    );
                 } else {
                     self.warn_once(
                         "read audit failed",
@@ -251,9 +285,14 @@ impl Session {
                 known,
                 ReadAuditKnown::MayWrite(true) | ReadAuditKnown::OldSchema
             );
-            if let ReadAuditKnown::MayWrite(_) = known {
-                self.tx.audited = true;
-                self.verdict = Verdict::Known { learnt };
+            let expires = self.read_audit_expiry(learnt);
+            match known {
+                ReadAuditKnown::MayWrite(_) => {
+                    self.tx.audited = true;
+                    self.verdict = Verdict::Known { learnt, expires };
+                }
+                ReadAuditKnown::NoFunction => self.verdict = Verdict::Missing { expires },
+                ReadAuditKnown::OldSchema => {}
             }
         }
     }
@@ -264,11 +303,16 @@ impl Session {
     #[inline]
     pub(super) fn refresh_read_audit(&mut self, may_ask: bool) {
         match self.verdict {
-            Verdict::Fixed | Verdict::Asking => {}
+            Verdict::Fixed | Verdict::Asking { .. } => {}
             _ if self.tx.schema_changed => self.verdict = Verdict::Fixed,
-            Verdict::Known { learnt } => {
-                if learnt.elapsed() >= READ_AUDIT_REUSE {
+            Verdict::Known { learnt, expires } => {
+                if coarse_now() >= expires {
                     self.read_audit_out_of_date(learnt, may_ask);
+                }
+            }
+            Verdict::Missing { expires } => {
+                if coarse_now() >= expires {
+                    self.read_audit_missing_again(may_ask);
                 }
             }
             Verdict::Due if may_ask => self.ask_read_audit_if_quiet(),
@@ -280,14 +324,54 @@ impl Session {
     /// or else asks.
     #[cold]
     fn read_audit_out_of_date(&mut self, learnt: Instant, may_ask: bool) {
-        if let Some((at, ReadAuditKnown::MayWrite(may_write))) =
-            self.shared.known_read_audit(&self.database)
+        if let Some((at, ReadAuditKnown::MayWrite(may_write))) = self
+            .shared
+            .known_read_audit(&self.database, self.read_audit_max_age)
         {
             if at > learnt {
                 self.tx.check_reads = may_write;
-                self.verdict = Verdict::Known { learnt: at };
+                self.verdict = Verdict::Known {
+                    learnt: at,
+                    expires: self.read_audit_expiry(at),
+                };
                 return;
             }
+        }
+        self.tx.check_reads = true;
+        self.verdict = Verdict::Due;
+        if may_ask {
+            self.ask_read_audit_if_quiet();
+        }
+    }
+
+    /// When an answer to a question sent at `asked_at` is out of date, on the coarse clock.
+    fn read_audit_expiry(&self, asked_at: Instant) -> u64 {
+        let left = self.read_audit_max_age.saturating_sub(asked_at.elapsed());
+        coarse_now().saturating_add(u64::try_from(left.as_nanos()).unwrap_or(u64::MAX))
+    }
+
+    /// When the question in flight was sent.
+    pub(super) fn question_sent_at(&self) -> Instant {
+        match self.verdict {
+            Verdict::Asking { since } => since,
+            _ => Instant::now(),
+        }
+    }
+
+    /// The database had no schema `pgfence` a while ago: asks again once that is no longer
+    /// known, and checks reads until the answer (mostly a check ran there since, so the
+    /// schema is back; if not, the read checked meanwhile fails for want of it, as writes
+    /// do there).
+    #[cold]
+    fn read_audit_missing_again(&mut self, may_ask: bool) {
+        if let Some((_, ReadAuditKnown::NoFunction)) = self
+            .shared
+            .known_read_audit(&self.database, self.read_audit_max_age)
+        {
+            self.verdict = Verdict::Missing {
+                expires: self.read_audit_expiry(Instant::now()),
+            };
+            return;
         }
         self.tx.check_reads = true;
         self.verdict = Verdict::Due;
@@ -313,7 +397,9 @@ impl Session {
             self.replies
                 .push(Request::Query, Origin::Injected(Injected::ReadAudit));
             self.read_audit_answer = Answer::None;
-            self.verdict = Verdict::Asking;
+            self.verdict = Verdict::Asking {
+                since: Instant::now(),
+            };
             Stats::add(&self.shared.stats.read_audit_questions);
         }
     }
@@ -323,6 +409,9 @@ impl Session {
     pub(super) fn ask_read_audit(&mut self, ready: &[u8]) {
         msg::query(&mut self.to_server, QUERY);
         Stats::add(&self.shared.stats.read_audit_questions);
+        self.verdict = Verdict::Asking {
+            since: Instant::now(),
+        };
         self.read_audit_ready = ready.to_vec();
         self.phase = Phase::ReadAudit;
         self.hold = Hold::Waiting;
@@ -349,7 +438,8 @@ impl Session {
                     return Err(SessionError::UnexpectedServerMessage('Z'));
                 }
                 let answer = std::mem::take(&mut self.read_audit_answer);
-                self.apply_read_audit(answer, false);
+                let asked_at = self.question_sent_at();
+                self.apply_read_audit(answer, asked_at, false);
                 let ready = std::mem::take(&mut self.read_audit_ready);
                 self.phase = Phase::Auth;
                 self.hold = Hold::None;

@@ -36,7 +36,9 @@ impl Session {
             return Err(SessionError::UnexpectedServerMessage(tag as char));
         };
         match kind {
-            Backend::NoticeResponse => self.to_client.extend_from_slice(frame),
+            // Not those of pgfence's question asked again (a `log_statement` echo), as at
+            // the session's start.
+            Backend::NoticeResponse => self.forward_if_not_question(frame),
             Backend::NotificationResponse => self.forward_notification(frame),
             Backend::ParameterStatus => {
                 self.on_parameter_status(frame)?;
@@ -153,6 +155,16 @@ impl Session {
     }
 
     #[inline]
+    fn forward_if_not_question(&mut self, frame: &[u8]) {
+        if self
+            .replies
+            .front()
+            .is_none_or(|p| p.origin != Origin::Injected(Injected::ReadAudit))
+        {
+            self.to_client.extend_from_slice(frame);
+        }
+    }
+
     fn forward_if_client(&mut self, frame: &[u8]) {
         if self
             .replies
@@ -671,7 +683,8 @@ impl Session {
             )) => {}
             Some(Origin::Injected(Injected::ReadAudit)) => {
                 let answer = std::mem::take(&mut self.read_audit_answer);
-                self.apply_read_audit(answer, true);
+                let asked_at = self.question_sent_at();
+                self.apply_read_audit(answer, asked_at, true);
             }
             Some(Origin::Injected(Injected::CheckSync(AfterCheck::Release))) => {
                 self.hold = if self.check_failed {
