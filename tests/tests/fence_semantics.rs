@@ -1853,7 +1853,38 @@ async fn a_session_opened_before_the_schema_follows_the_audit_after_it() {
         .simple("SELECT count(*) FROM rm")
         .await
         .unwrap();
+    // A leader of another resource, opened before the schema too, that will make a
+    // temporary view after the install (the audit leaves those out).
+    let own = "own_temp_view";
+    let mut leader = fx.leader(own, 40).await;
     install(&fx.direct).await;
+    leader
+        .simple("CREATE TEMP VIEW rm_tv AS SELECT rm_write('temp', 0) AS w")
+        .await
+        .unwrap();
+    fx.leader(own, 41)
+        .await
+        .simple("INSERT INTO rm VALUES ('new leader')")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // The first read is checked while the session asks again; the next ones after the
+    // answer (false: the audit leaves the temporary view out).
+    for protocol in [Protocol::Simple, Protocol::Simple, Protocol::Extended] {
+        leader
+            .expect_rejection(
+                protocol,
+                &["SELECT * FROM rm_tv"],
+                &stale(own, 40, 41),
+                "a deposed leader reading its temporary view, made before its first answer",
+            )
+            .await;
+    }
+    assert_eq!(
+        fx.count("rm WHERE tag = 'temp'").await,
+        0,
+        "a stale write landed through the session's temporary view"
+    );
     fx.direct
         .batch_execute("CREATE VIEW rm_v AS SELECT rm_write('view', 0) AS w")
         .await
@@ -1900,6 +1931,47 @@ async fn a_session_opened_before_the_schema_follows_the_audit_after_it() {
     assert!(
         !seen.iter().any(|m| m.contains("reads_may_write")),
         "the question's notice reached the client: {seen:?}"
+    );
+}
+
+/// A stale write Query that the fast path rejects without a round trip drops the client's
+/// unnamed statement, as PostgreSQL drops it at any Query: with one alive, the rejection
+/// goes upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fast_path_rejection_drops_the_unnamed_statement() {
+    let fx = Fixture::start("CREATE TABLE fu (tag text);", |c| {
+        c.admin.users = vec![SUPERUSER.into()];
+    })
+    .await;
+    let r = "fast_unnamed";
+    fx.leader(r, 34)
+        .await
+        .simple("INSERT INTO fu VALUES ('leader')")
+        .await
+        .unwrap();
+    let direct_addr = std::net::SocketAddr::from(([127, 0, 0, 1], fx.cluster.port()));
+    let (mut direct, _) = RawConn::login(direct_addr, SUPERUSER, APP_DB);
+    let mut stale_session = fx.raw_session(&format!("-c fencing.token=33 -c fencing.resource={r}"));
+    let mut replies = Vec::new();
+    for conn in [&mut direct, &mut stale_session] {
+        conn.send(&[wire::parse("", "SELECT 41 + 1", &[]), wire::sync()].concat());
+        conn.until_ready();
+        conn.send(&wire::query("INSERT INTO fu VALUES ('stale')"));
+        conn.until_ready();
+        conn.send(&[wire::bind("", "", &[]), wire::execute("", 0), wire::sync()].concat());
+        let msgs = conn.until_ready();
+        replies.push(msgs.iter().find_map(|m| m.sqlstate()));
+    }
+    assert_eq!(
+        replies[0].as_deref(),
+        Some("26000"),
+        "PostgreSQL: {replies:?}"
+    );
+    assert_eq!(replies[1], replies[0], "through pgfence: {replies:?}");
+    assert_eq!(
+        fx.count("fu WHERE tag = 'stale'").await,
+        1,
+        "the direct insert only"
     );
 }
 

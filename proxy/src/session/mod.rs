@@ -669,7 +669,10 @@ impl Session {
         let read_audit_asked = fence.enabled && read_audit::asks(&config);
         Session {
             max_message: config.limits.max_message_size,
-            tx: TxState::new(!config.fence.skip_read_only || read_audit_asked),
+            tx: TxState::with_audit(
+                !config.fence.skip_read_only || read_audit_asked,
+                read_audit_asked,
+            ),
             shared,
             id,
             phase: Phase::Auth,

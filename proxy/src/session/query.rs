@@ -420,8 +420,14 @@ impl Session {
         fence: i64,
     ) -> Flow {
         let rejection = fence_core::rejection::Rejection::stale(&resource, token, fence);
-        if self.tx.view == View::Idle && self.replies.is_empty() && !analysis.tx_control() {
-            // Nothing open upstream: answer without a round trip.
+        if self.tx.view == View::Idle
+            && self.replies.is_empty()
+            && !analysis.tx_control()
+            && !self.unnamed_statement_alive
+        {
+            // Nothing open upstream: answer without a round trip. (Not while the client has
+            // an unnamed statement: PostgreSQL drops it at any Query, and the rejection
+            // upstream below does so too.)
             self.report_rejection(&rejection, "fast");
             msg::error_response(
                 &mut self.to_client,

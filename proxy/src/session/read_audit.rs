@@ -160,7 +160,6 @@ impl Session {
             // the schema. Whatever it was, reads stay checked: a check that cannot run
             // fails the read, where skipping it could let a write through.
             self.tx.check_reads = true;
-            self.tx.audited = false;
             self.verdict = Verdict::Fixed;
             let (code, message) = match &answer {
                 Answer::Failed(code, message) => (code.as_str(), message.as_str()),
@@ -177,7 +176,6 @@ impl Session {
             );
             return;
         }
-        self.tx.audited = verdict;
         self.verdict = if verdict {
             Verdict::Known {
                 learnt: asked_at,
@@ -287,10 +285,7 @@ impl Session {
             );
             let expires = self.read_audit_expiry(learnt);
             match known {
-                ReadAuditKnown::MayWrite(_) => {
-                    self.tx.audited = true;
-                    self.verdict = Verdict::Known { learnt, expires };
-                }
+                ReadAuditKnown::MayWrite(_) => self.verdict = Verdict::Known { learnt, expires },
                 ReadAuditKnown::NoFunction => self.verdict = Verdict::Missing { expires },
                 ReadAuditKnown::OldSchema => {}
             }

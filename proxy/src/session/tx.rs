@@ -47,10 +47,14 @@ pub struct TxState {
     /// Check read-only statements too (`fence.skip_read_only = false`, or the read audit's
     /// verdict: see `Session::apply_read_audit`).
     pub check_reads: bool,
-    /// `check_reads` is the read audit's verdict.
+    /// The session's reads follow the read audit (it asks, whatever the answer was): its
+    /// own DDL makes it check them.
     pub audited: bool,
     /// A statement that [changes the schema](fence_core::classify::Statement::changes_schema)
-    /// was sent while `audited`: the session checks its reads from then on.
+    /// was sent while `audited`: the session checks its reads from then on. (Whatever
+    /// the answer then: a session that had no answer yet, or found no schema `pgfence`,
+    /// and made a temporary view after `pgfence install`, would otherwise take the audit's
+    /// false, which leaves temporary relations out.)
     pub schema_changed: bool,
 }
 
@@ -87,6 +91,14 @@ impl TxState {
         }
     }
 
+    /// [`TxState::new`], for a session whose reads follow the read audit (`audited`).
+    pub fn with_audit(check_reads: bool, audited: bool) -> TxState {
+        TxState {
+            audited,
+            ..TxState::new(check_reads)
+        }
+    }
+
     /// A statement that changes the schema is being sent: where reads follow the read
     /// audit, they are checked from here (in this Query, too) to the session's end. The
     /// audit leaves out temporary relations, which only their session reads through, and
@@ -96,7 +108,6 @@ impl TxState {
     pub fn note_schema_change(&mut self) {
         if self.audited {
             self.check_reads = true;
-            self.audited = false;
             self.schema_changed = true;
         }
     }
