@@ -332,11 +332,7 @@ impl Session {
                 return;
             }
         }
-        self.tx.check_reads = true;
-        self.verdict = Verdict::Due;
-        if may_ask {
-            self.ask_read_audit_if_quiet();
-        }
+        self.read_audit_due(may_ask);
     }
 
     /// When an answer to a question sent at `asked_at` is out of date, on the coarse clock.
@@ -368,6 +364,12 @@ impl Session {
             };
             return;
         }
+        self.read_audit_due(may_ask);
+    }
+
+    /// The session has no answer it may act on: reads are checked until it has asked, now
+    /// if it may.
+    fn read_audit_due(&mut self, may_ask: bool) {
         self.tx.check_reads = true;
         self.verdict = Verdict::Due;
         if may_ask {
