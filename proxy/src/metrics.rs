@@ -73,6 +73,7 @@ pub struct Metrics {
     pub upstream_idle: Gauge,
     pub upstream_reused: Counter,
     pub upstream_errors: Counter,
+    pub read_audit_questions: Counter,
     /// Client sessions per worker thread (only with worker threads, as the binary runs).
     pub worker_sessions: Family<WorkerLabel, Gauge>,
     pub check_latency: LatencyHistogram,
@@ -90,6 +91,7 @@ impl Default for Metrics {
         let upstream_idle = Gauge::default();
         let upstream_reused = Counter::default();
         let upstream_errors = Counter::default();
+        let read_audit_questions = Counter::default();
         let worker_sessions = Family::<WorkerLabel, Gauge>::default();
         // 50 µs .. ~1.6 s
         let check_latency = LatencyHistogram::doubling_from(Duration::from_micros(50));
@@ -135,6 +137,11 @@ impl Default for Metrics {
             upstream_errors.clone(),
         );
         registry.register(
+            "pgfence_read_audit_questions",
+            "Questions to the read audit (pgfence.reads_may_write): at session starts, and again once an answer is fence.read_audit_max_age old",
+            read_audit_questions.clone(),
+        );
+        registry.register(
             "pgfence_panics",
             "Panics in pgfence's threads, each a bug: see the log's \"pgfence bug\" events",
             PANICS.clone(),
@@ -164,6 +171,7 @@ impl Default for Metrics {
             upstream_idle,
             upstream_reused,
             upstream_errors,
+            read_audit_questions,
             worker_sessions,
             check_latency,
             query_latency,

@@ -135,6 +135,13 @@ impl Shared {
         (at.elapsed() < fresh_for).then_some((at, known))
     }
 
+    /// A question to the read audit was sent (`read_audit_questions` in `SHOW STATS`,
+    /// `pgfence_read_audit_questions_total`).
+    pub fn count_read_audit_question(&self) {
+        Stats::add(&self.stats.read_audit_questions);
+        self.metrics.read_audit_questions.inc();
+    }
+
     /// Remembers what a session learnt of `database`, by a question sent at `at`, unless a
     /// question sent later was answered first.
     pub fn learn_read_audit(&self, database: &str, known: ReadAuditKnown, at: std::time::Instant) {

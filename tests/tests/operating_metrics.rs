@@ -139,6 +139,7 @@ async fn counters_move_by_what_happened() {
         (UPSTREAMS_IDLE, "gauge"),
         ("pgfence_upstream_reused", "counter"),
         ("pgfence_upstream_errors", "counter"),
+        ("pgfence_read_audit_questions", "counter"),
         (CHECK_LATENCY, "histogram"),
         (QUERY_LATENCY, "histogram"),
     ] {

@@ -402,7 +402,7 @@ async fn run_session(
     if let Some((server, _, login)) = &mut parked {
         let ask = config.fence.enabled && read_audit::asks(&config) && known_audit.is_none();
         if ask {
-            crate::state::Stats::add(&shared.stats.read_audit_questions);
+            shared.count_read_audit_question();
             kept_asked_at = Instant::now();
         }
         match kept::refresh_kept(server, login, RESET_TIMEOUT, ask).await {

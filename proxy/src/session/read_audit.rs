@@ -36,7 +36,7 @@ use tracing::{info, warn};
 use crate::error::SessionError;
 use crate::protocol::message as msg;
 
-use crate::state::{ReadAuditKnown, Stats};
+use crate::state::ReadAuditKnown;
 
 use super::replies::{Injected, Origin, Request};
 use super::tx::View;
@@ -397,7 +397,7 @@ impl Session {
             self.verdict = Verdict::Asking {
                 since: Instant::now(),
             };
-            Stats::add(&self.shared.stats.read_audit_questions);
+            self.shared.count_read_audit_question();
         }
     }
 
@@ -405,7 +405,7 @@ impl Session {
     /// ReadyForQuery back, and what the client sends meanwhile, until the answer is in.
     pub(super) fn ask_read_audit(&mut self, ready: &[u8]) {
         msg::query(&mut self.to_server, QUERY);
-        Stats::add(&self.shared.stats.read_audit_questions);
+        self.shared.count_read_audit_question();
         self.verdict = Verdict::Asking {
             since: Instant::now(),
         };
