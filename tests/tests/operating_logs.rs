@@ -9,6 +9,9 @@
 //!   pgfence knew is an INFO `higher token accepted` event;
 //!   no INFO-or-above event other than a rejection carries statement text; connections open
 //!   and close at DEBUG.
+//! - [`a_rejection_names_its_own_transactions_statement`]: two stale writes pipelined in
+//!   one batch are logged each with its own statement; a checked read that wrote (through
+//!   a view) is logged with the read, not the session's earlier write.
 //! - [`a_database_without_the_schema_says_how_to_install_it`]: writes fail with the
 //!   server's 3F000 and a hint naming `pgfence install`, in both protocols, logged at WARN
 //!   once; reads go on.
@@ -21,8 +24,10 @@ use std::net::SocketAddr;
 
 use harness::fence::{self, assert_rejected, sqlstate};
 use harness::operating::{
-    connect_from, int_field, json_events, level, message, str_field, wait_for_log, Event,
+    connect_from, eventually, int_field, json_events, level, message, str_field, wait_for_log,
+    Event,
 };
+use harness::wire::{self, RawConn};
 use harness::{quote_conn_value, PgCluster, Proxy, ProxyProcess, APP_DB, SUPERUSER};
 use pgfence_config::{Config, DefaultResource};
 use serde_json::Value;
@@ -514,6 +519,105 @@ async fn text_log_without_fast_path() {
         "{}",
         advanced[0]
     );
+}
+
+/// The statements the `fence rejected` events of `proxy` name, in order.
+fn rejected_statements(proxy: &ProxyProcess) -> Vec<String> {
+    json_events(&proxy.logs())
+        .iter()
+        .filter(|e| message(e) == "fence rejected")
+        .map(|e| str_field(e, "statement").to_string())
+        .collect()
+}
+
+/// A rejection names its own transaction's statement:
+/// - two autocommit writes pipelined in one batch (each to its Sync), both stale and both
+///   rejected by the database: each event names its own write, though pgfence has read the
+///   second before the first's rejection comes back;
+/// - where reads are checked (`fence.skip_read_only = false`), a transaction that only
+///   reads names its read, not the session's last write, in both protocols.
+#[tokio::test]
+async fn a_rejection_names_its_own_transactions_statement() {
+    let cluster = cluster_with_ledger().await;
+    let mut config = config(&cluster);
+    config.fence.skip_read_only = false;
+    // Every rejection from the database, so the second write of the pipeline is not
+    // rejected locally once the first rejection taught pgfence the fence.
+    config.fence.fast_path = false;
+    let proxy = ProxyProcess::builder()
+        .config(config.clone())
+        .args(["--config", "{config}", "--log-format", "json"])
+        .env("RUST_LOG", "info")
+        .start();
+    let other = Proxy::start(config);
+    let options = "-c fencing.token=5 -c fencing.resource=billing";
+    let (a, _) = session(proxy.addr(), "writer-a", options).await;
+    a.batch_execute(&insert(1, "accepted"))
+        .await
+        .expect("token 5 is accepted");
+    harness::connect_to(&connstr(
+        other.port(),
+        "leader",
+        "-c fencing.token=7 -c fencing.resource=billing",
+    ))
+    .await
+    .batch_execute(&insert(100, "leader"))
+    .await
+    .expect("token 7 is accepted");
+
+    // Two stale autocommit writes in one batch.
+    let (first, second) = (insert(2, "pipelined first"), insert(3, "pipelined second"));
+    let mut raw = RawConn::login_with_options(proxy.addr(), SUPERUSER, APP_DB, options);
+    let mut batch = Vec::new();
+    for sql in [&first, &second] {
+        batch.extend(wire::parse("", sql.as_str(), &[]));
+        batch.extend(wire::bind("", "", &[]));
+        batch.extend(wire::execute("", 0));
+        batch.extend(wire::sync());
+    }
+    raw.send(&batch);
+    for n in ["first", "second"] {
+        let replies = raw.until_ready();
+        assert!(
+            replies
+                .iter()
+                .any(|m| m.sqlstate().as_deref() == Some("FN001")),
+            "the {n} pipelined write is rejected: {replies:?}"
+        );
+    }
+    // Reads that are checked, after the session's accepted write. The check rejects only
+    // a transaction that wrote: these read a view whose function writes.
+    cluster
+        .connect(APP_DB)
+        .await
+        .batch_execute(
+            "CREATE FUNCTION note_read() RETURNS int LANGUAGE sql AS \
+               $$ INSERT INTO ledger VALUES (0, 'read') RETURNING 1 $$; \
+             CREATE VIEW noted AS SELECT note_read() AS n",
+        )
+        .await
+        .expect("create a view that writes");
+    let read_simple = format!("BEGIN; SELECT n AS \"{MARKER} simple read\" FROM noted");
+    a.batch_execute(&read_simple).await.expect("BEGIN and read");
+    assert_rejected(
+        &a.batch_execute("COMMIT").await,
+        &fence::stale("billing", 5, 7),
+        "a read-only block at COMMIT",
+    );
+    let read_extended = format!("SELECT n AS \"{MARKER} extended read\" FROM noted");
+    assert_rejected(
+        &a.query(read_extended.as_str(), &[]).await.map(drop),
+        &fence::stale("billing", 5, 7),
+        "an autocommit read, extended protocol",
+    );
+
+    let expected = [first, second, read_simple, read_extended];
+    let statements = eventually(
+        "four rejections logged",
+        || Some(rejected_statements(&proxy)).filter(|s| s.len() >= expected.len()),
+        || proxy.logs(),
+    );
+    assert_eq!(statements, expected, "logs:\n{}", proxy.logs());
 }
 
 #[tokio::test]

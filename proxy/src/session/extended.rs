@@ -313,7 +313,7 @@ impl Session {
             self.tx.batch_pipelined = false;
         }
         if let Some(p) = &prepared {
-            if p.analysis.may_write() {
+            if self.owes_check_for(&p.analysis) {
                 self.last_write = Some(Remembered::Prepared(p.clone()));
             }
             self.last_sql = Some(Remembered::Prepared(p.clone()));

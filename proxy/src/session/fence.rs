@@ -1,6 +1,7 @@
 //! The fence inside a session: what pgfence injects, the fast path, and rejection reports.
 
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::SystemTime;
 
 use bytes::{Bytes, BytesMut};
@@ -20,7 +21,7 @@ use crate::state::RejectionRecord;
 
 use super::replies::{AfterCheck, Injected, Origin, Request};
 use super::tx::View;
-use super::Session;
+use super::{Prepared, Remembered, Session};
 
 /// Client encodings pgfence cannot lex safely (see `on_parameter_status`).
 const UNSAFE_ENCODINGS: &[&str] = &[
@@ -464,8 +465,9 @@ impl Session {
         self.replies
             .push(Request::Bind, Origin::Injected(Injected::Check));
         msg::execute(&mut self.to_server, CHECK_NAME);
+        let about = self.rejection_subject();
         self.replies
-            .push(Request::Execute, Origin::Injected(Injected::Check));
+            .push_about(Request::Execute, Origin::Injected(Injected::Check), about);
         // The portal ends with the transaction. A transaction that goes on after the check
         // (a check before a Sync while pgfence cannot tell whether a block is open) may be
         // checked again: close the portal then, so it can be bound again.
@@ -542,8 +544,12 @@ impl Session {
         self.replies
             .push(Request::Bind, Origin::Injected(Injected::FastReject));
         msg::execute(&mut self.to_server, b"");
-        self.replies
-            .push(Request::Execute, Origin::Injected(Injected::FastReject));
+        let about = self.rejection_subject();
+        self.replies.push_about(
+            Request::Execute,
+            Origin::Injected(Injected::FastReject),
+            about,
+        );
     }
 
     /// Learns fences from a check's result (`resource=token,...`).
@@ -663,8 +669,26 @@ impl Session {
         }
     }
 
+    /// The prepared statement a check or fast-path rejection sent now is about (`None`: a
+    /// simple Query's, or none): the last one a check is owed for.
+    fn rejection_subject(&self) -> Option<Arc<Prepared>> {
+        match &self.last_write {
+            Some(Remembered::Prepared(p)) => Some(p.clone()),
+            _ => None,
+        }
+    }
+
     /// Reports a rejection once: log event, metrics, `SHOW REJECTIONS`; learns the fence.
-    pub(super) fn report_rejection(&self, rejection: &Rejection, path: &'static str) {
+    /// `about`: the statement the rejected request was sent for, when it kept one (see
+    /// [`Replies::push_about`](super::replies::Replies::push_about)); otherwise the last one
+    /// a check is owed for, which is the rejected transaction's unless the client pipelined
+    /// simple Queries.
+    pub(super) fn report_rejection(
+        &self,
+        rejection: &Rejection,
+        path: &'static str,
+        about: Option<&Arc<Prepared>>,
+    ) {
         if let (Some(resource), Some(fence)) = (&rejection.resource, rejection.fence) {
             if self
                 .shared
@@ -683,11 +707,16 @@ impl Session {
             }
         }
         // The write the transaction was rejected for, rather than its COMMIT.
-        let statement = self
-            .last_write
-            .as_ref()
-            .or(self.last_sql.as_ref())
-            .map(|p| truncate_chars(&String::from_utf8_lossy(p.text()), 200))
+        let text = match about {
+            Some(p) => Some(&p.sql[..]),
+            None => self
+                .last_write
+                .as_ref()
+                .or(self.last_sql.as_ref())
+                .map(Remembered::text),
+        };
+        let statement = text
+            .map(|t| truncate_chars(&String::from_utf8_lossy(t), 200))
             .unwrap_or_default();
         let resource = rejection.resource.clone().unwrap_or_default();
         let token = rejection.token.clone().unwrap_or_default();

@@ -588,7 +588,8 @@ pub(crate) struct Session {
     chars: fence::Chars,
     /// The latest statement text the client sent, for rejection logs.
     last_sql: Option<Remembered>,
-    /// The latest statement that may write: what a rejection at COMMIT is about.
+    /// The latest statement a check is owed for (see [`Session::owes_check_for`]): what a
+    /// rejection at COMMIT is about.
     last_write: Option<Remembered>,
     /// An extended-protocol `COPY ... FROM STDIN` in progress.
     copy_in: CopyIn,
@@ -964,6 +965,21 @@ impl Session {
         e.to_client(&mut out);
         let _ = write_out(cw, &out).await;
         e
+    }
+
+    /// Whether a statement sent now is one a check is owed for, as a rejection log names
+    /// it: one that may write; or, where reads are checked, a read that is the first
+    /// statement of its transaction to owe the check (a read after a write leaves the
+    /// write named).
+    #[inline]
+    fn owes_check_for(&self, analysis: &Analysis) -> bool {
+        analysis.may_write()
+            || (self.tx.check_reads
+                && !self.tx.dirty
+                && analysis
+                    .statements
+                    .iter()
+                    .any(|s| s.kind == fence_core::classify::StatementKind::ReadOnly))
     }
 
     /// Whether client messages are read and handled now.

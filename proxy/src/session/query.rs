@@ -204,7 +204,7 @@ impl Session {
     /// What a Query changes whether or not the fence is on: the text kept for rejection
     /// logs, and the prepared statements it drops or replaces.
     fn note_query(&mut self, sql: &[u8], analysis: &Analysis) {
-        if analysis.may_write() {
+        if self.owes_check_for(analysis) {
             Remembered::query(&mut self.last_write, sql);
         }
         Remembered::query(&mut self.last_sql, sql);
@@ -428,7 +428,7 @@ impl Session {
             // Nothing open upstream: answer without a round trip. (Not while the client has
             // an unnamed statement: PostgreSQL drops it at any Query, and the rejection
             // upstream below does so too.)
-            self.report_rejection(&rejection, "fast");
+            self.report_rejection(&rejection, "fast", None);
             msg::error_response(
                 &mut self.to_client,
                 &msg::ErrorMessage {

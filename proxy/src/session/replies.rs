@@ -174,7 +174,9 @@ pub struct Pending {
     /// unnamed one), whose analysis pgfence must put back if the server refuses or skips the
     /// request.
     pub name: Option<Box<[u8]>>,
-    /// What that name stood for before (`None`: nothing pgfence knew of).
+    /// What that name stood for before (`None`: nothing pgfence knew of). For pgfence's
+    /// check and fast-path rejection: the client's statement they are about, for the
+    /// rejection log (see [`Replies::push_about`]).
     pub before: Option<Arc<Prepared>>,
 }
 
@@ -199,6 +201,20 @@ impl Replies {
             plan: QueryPlan::default(),
             name: None,
             before: None,
+        });
+    }
+
+    /// pgfence's request about the client's statement `about` (a check, a fast-path
+    /// rejection): the client may send more before the server answers, and the rejection
+    /// log names this one.
+    #[inline]
+    pub fn push_about(&mut self, request: Request, origin: Origin, about: Option<Arc<Prepared>>) {
+        self.queue.push_back(Pending {
+            request,
+            origin,
+            plan: QueryPlan::default(),
+            name: None,
+            before: about,
         });
     }
 

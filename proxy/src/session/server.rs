@@ -268,6 +268,12 @@ impl Session {
             return;
         };
         let (request, origin, fast) = (front.request, front.origin, front.plan.fast_reject);
+        let about = match origin {
+            Origin::Injected(Injected::Check | Injected::FastReject) if rejection.is_some() => {
+                front.before.clone()
+            }
+            _ => None,
+        };
         // A check before a COMMIT (the client's next statement) that fails skips the rest
         // of the Query too: does the client have statements after that COMMIT?
         let mut skips_client_work =
@@ -414,7 +420,7 @@ impl Session {
             } else {
                 "database"
             };
-            self.report_rejection(r, path);
+            self.report_rejection(r, path, about.as_ref());
             // The client sees the rejection as from a constraint: without the PL/pgSQL
             // call stack of pgfence's functions.
             msg::without_location(frame, &mut self.to_client);
