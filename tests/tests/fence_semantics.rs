@@ -44,7 +44,8 @@
 //! - From drivers' reports: a check statement skipped or dropped, or forgotten after a
 //!   DEALLOCATE, is prepared again; a fast-path rejection in a block shows only its error; a
 //!   client's Parse the server refused or skipped does not change what pgfence thinks the
-//!   name runs; `COMMIT PREPARED`/`ROLLBACK PREPARED` with a token finish.
+//!   name runs; `COMMIT PREPARED`/`ROLLBACK PREPARED` with a token finish; the hint's reset
+//!   after a `PREPARE TRANSACTION` keeps the client's unnamed statement.
 //!
 //! Every rejection is asserted field by field (SPEC section 5), and the session is then
 //! shown to be usable and outside any transaction.
@@ -1973,6 +1974,51 @@ async fn a_fast_path_rejection_drops_the_unnamed_statement() {
         1,
         "the direct insert only"
     );
+}
+
+/// pgfence's `RESET pgfence.accepted` after a `PREPARE TRANSACTION` that accepted a token
+/// leaves the client's unnamed statement alone: a simple Query would drop it, so a Bind of
+/// it after the prepared transaction runs, as on PostgreSQL directly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reset_after_a_prepared_transaction_keeps_the_unnamed_statement() {
+    let fx = Fixture::start("CREATE TABLE pu (tag text);", |_| {}).await;
+    let r = "prepared_unnamed";
+    let direct_addr = std::net::SocketAddr::from(([127, 0, 0, 1], fx.cluster.port()));
+    let (mut direct, _) = RawConn::login(direct_addr, SUPERUSER, APP_DB);
+    let mut fenced = fx.raw_session(&format!("-c fencing.token=34 -c fencing.resource={r}"));
+    let mut answers = Vec::new();
+    for (conn, gid) in [(&mut direct, "pu_direct"), (&mut fenced, "pu_fenced")] {
+        conn.send(&wire::query("BEGIN; INSERT INTO pu VALUES ('prepared')"));
+        conn.until_ready();
+        let prepare = format!("PREPARE TRANSACTION '{gid}'");
+        conn.send(
+            &[
+                wire::parse("", "SELECT 41 + 1", &[]),
+                wire::parse("pu_prepare", prepare.as_str(), &[]),
+                wire::bind("", "pu_prepare", &[]),
+                wire::execute("", 0),
+                wire::sync(),
+            ]
+            .concat(),
+        );
+        let prepared = conn.until_ready();
+        assert!(
+            prepared.iter().all(|m| m.tag != b'E'),
+            "{gid}: {prepared:?}"
+        );
+        conn.send(&[wire::bind("", "", &[]), wire::execute("", 0), wire::sync()].concat());
+        let msgs = conn.until_ready();
+        answers.push(
+            msgs.iter()
+                .map(|m| m.data_row().map_or(m.tag, |_| b'D'))
+                .collect::<Vec<u8>>(),
+        );
+        conn.send(&wire::query(format!("COMMIT PREPARED '{gid}'")));
+        conn.until_ready();
+    }
+    assert_eq!(answers[0], b"2DCZ", "PostgreSQL: {answers:?}");
+    assert_eq!(answers[1], answers[0], "through pgfence: {answers:?}");
+    assert_eq!(fx.count("pu").await, 2, "both prepared transactions commit");
 }
 
 /// A session whose question asked again gets no answer keeps checking its reads. After

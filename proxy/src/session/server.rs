@@ -17,6 +17,8 @@ use super::{CommitCheck, CopyFromClient, CopyIn, Flushed, Hold, Prepared, Sessio
 const IN_FAILED_TRANSACTION: &[u8] = b"25P02";
 /// invalid_sql_statement_name: a Bind named a statement the server does not have.
 const NO_SUCH_STATEMENT: &[u8] = b"26000";
+/// pgfence's statement for `RESET pgfence.accepted` (see `Session::reset_hint_if_stale`).
+const RESET_HINT_NAME: &[u8] = b"pgfence_reset_hint";
 /// `syntax_error`: in a simple Query, the whole string failed to parse and none of it ran.
 const SYNTAX_ERROR: &[u8] = b"42601";
 /// `schema "pgfence" does not exist`: the check's schema was never installed here.
@@ -582,7 +584,10 @@ impl Session {
 
     /// Resets the check's per-backend hint after a prepared transaction (see
     /// `FenceSettings::hint_outlives_prepare`), once the session is idle with nothing in
-    /// flight: in a transaction of its own, before anything the client sends next.
+    /// flight: in a transaction of its own, before anything the client sends next. In the
+    /// extended protocol, with a statement of pgfence's own and the unnamed portal (none
+    /// is open outside a transaction): a simple Query would drop the client's unnamed
+    /// statement.
     fn reset_hint_if_stale(&mut self, status: u8) {
         if self.fence.hint_outlives_prepare
             && status == b'I'
@@ -590,9 +595,21 @@ impl Session {
             && self.commit_check == CommitCheck::None
         {
             self.fence.hint_outlives_prepare = false;
-            msg::query(&mut self.to_server, b"RESET pgfence.accepted");
-            self.replies
-                .push(Request::Query, Origin::Injected(Injected::ResetHint));
+            let origin = Origin::Injected(Injected::ResetHint);
+            let out = &mut self.to_server;
+            // Closed first, as the checks' statements are: a client may have taken the name.
+            msg::close(out, b'S', RESET_HINT_NAME);
+            self.replies.push(Request::Close, origin);
+            msg::parse(out, RESET_HINT_NAME, b"RESET pgfence.accepted");
+            self.replies.push(Request::Parse, origin);
+            msg::bind_text(out, b"", RESET_HINT_NAME, &[]);
+            self.replies.push(Request::Bind, origin);
+            msg::execute(out, b"");
+            self.replies.push(Request::Execute, origin);
+            msg::close(out, b'S', RESET_HINT_NAME);
+            self.replies.push(Request::Close, origin);
+            msg::sync(out);
+            self.replies.push(Request::Sync, origin);
         }
     }
 
