@@ -45,7 +45,8 @@
 //!   DEALLOCATE, is prepared again; a fast-path rejection in a block shows only its error; a
 //!   client's Parse the server refused or skipped does not change what pgfence thinks the
 //!   name runs; `COMMIT PREPARED`/`ROLLBACK PREPARED` with a token finish; the hint's reset
-//!   after a `PREPARE TRANSACTION` keeps the client's unnamed statement.
+//!   after a `PREPARE TRANSACTION`, and the ROLLBACK after a failed check before a COMMIT in a
+//!   batch, keep the client's unnamed statement.
 //!
 //! Every rejection is asserted field by field (SPEC section 5), and the session is then
 //! shown to be usable and outside any transaction.
@@ -2019,6 +2020,71 @@ async fn the_reset_after_a_prepared_transaction_keeps_the_unnamed_statement() {
     assert_eq!(answers[0], b"2DCZ", "PostgreSQL: {answers:?}");
     assert_eq!(answers[1], answers[0], "through pgfence: {answers:?}");
     assert_eq!(fx.count("pu").await, 2, "both prepared transactions commit");
+}
+
+/// pgfence's `ROLLBACK` after a check before a `COMMIT` in the client's batch failed (the
+/// server skipped the `COMMIT` and left the block failed) leaves the client's unnamed
+/// statement alone too: a Bind of it after the rejection runs, as on PostgreSQL directly
+/// after the commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rollback_after_a_failed_check_keeps_the_unnamed_statement() {
+    let fx = Fixture::start("CREATE TABLE ru (tag text);", |c| {
+        c.fence.fast_path = false;
+    })
+    .await;
+    let r = "rollback_unnamed";
+    fx.leader(r, 34)
+        .await
+        .simple("INSERT INTO ru VALUES ('leader')")
+        .await
+        .unwrap();
+    let direct_addr = std::net::SocketAddr::from(([127, 0, 0, 1], fx.cluster.port()));
+    let (mut direct, _) = RawConn::login(direct_addr, SUPERUSER, APP_DB);
+    let mut stale = fx.raw_session(&format!("-c fencing.token=33 -c fencing.resource={r}"));
+    let mut answers = Vec::new();
+    for conn in [&mut direct, &mut stale] {
+        conn.send(&wire::query("BEGIN; INSERT INTO ru VALUES ('stale')"));
+        conn.until_ready();
+        conn.send(
+            &[
+                wire::parse("", "SELECT 41 + 1", &[]),
+                wire::parse("ru_commit", "COMMIT", &[]),
+                wire::bind("", "ru_commit", &[]),
+                wire::execute("", 0),
+                wire::sync(),
+            ]
+            .concat(),
+        );
+        let committed = conn.until_ready();
+        answers.push(
+            committed
+                .iter()
+                .find(|m| m.tag == b'E')
+                .and_then(Msg::sqlstate),
+        );
+        conn.send(&[wire::bind("", "", &[]), wire::execute("", 0), wire::sync()].concat());
+        let msgs = conn.until_ready();
+        answers.push(Some(
+            msgs.iter()
+                .map(|m| m.data_row().map_or(m.tag as char, |_| 'D'))
+                .collect(),
+        ));
+    }
+    assert_eq!(
+        answers,
+        [
+            None,
+            Some("2DCZ".into()),
+            Some("FN001".into()),
+            Some("2DCZ".into())
+        ],
+        "PostgreSQL directly, then the stale session through pgfence"
+    );
+    assert_eq!(
+        fx.count("ru WHERE tag = 'stale'").await,
+        1,
+        "the direct insert only"
+    );
 }
 
 /// A session whose question asked again gets no answer keeps checking its reads. After

@@ -17,8 +17,8 @@ use super::{CommitCheck, CopyFromClient, CopyIn, Flushed, Hold, Prepared, Sessio
 const IN_FAILED_TRANSACTION: &[u8] = b"25P02";
 /// invalid_sql_statement_name: a Bind named a statement the server does not have.
 const NO_SUCH_STATEMENT: &[u8] = b"26000";
-/// pgfence's statement for `RESET pgfence.accepted` (see `Session::reset_hint_if_stale`).
-const RESET_HINT_NAME: &[u8] = b"pgfence_reset_hint";
+/// The statement pgfence runs in a batch of its own (see `Session::run_own_statement`).
+const OWN_STATEMENT_NAME: &[u8] = b"pgfence_own";
 /// `syntax_error`: in a simple Query, the whole string failed to parse and none of it ran.
 const SYNTAX_ERROR: &[u8] = b"42601";
 /// `schema "pgfence" does not exist`: the check's schema was never installed here.
@@ -595,22 +595,33 @@ impl Session {
             && self.commit_check == CommitCheck::None
         {
             self.fence.hint_outlives_prepare = false;
-            let origin = Origin::Injected(Injected::ResetHint);
-            let out = &mut self.to_server;
-            // Closed first, as the checks' statements are: a client may have taken the name.
-            msg::close(out, b'S', RESET_HINT_NAME);
-            self.replies.push(Request::Close, origin);
-            msg::parse(out, RESET_HINT_NAME, b"RESET pgfence.accepted");
-            self.replies.push(Request::Parse, origin);
-            msg::bind_text(out, b"", RESET_HINT_NAME, &[]);
-            self.replies.push(Request::Bind, origin);
-            msg::execute(out, b"");
-            self.replies.push(Request::Execute, origin);
-            msg::close(out, b'S', RESET_HINT_NAME);
-            self.replies.push(Request::Close, origin);
-            msg::sync(out);
-            self.replies.push(Request::Sync, origin);
+            self.run_own_statement(
+                b"RESET pgfence.accepted",
+                Origin::Injected(Injected::ResetHint),
+            );
         }
+    }
+
+    /// Runs `sql` (one statement) in a batch of pgfence's own, to its own Sync, every reply
+    /// answering `origin`: not as a simple Query, which would drop the client's unnamed
+    /// statement. Only between the client's transactions or in a failed block: it binds
+    /// the unnamed portal, which only a transaction keeps, and a failed block (where only
+    /// a statement that ends it may run) has nothing to execute in it anyway.
+    fn run_own_statement(&mut self, sql: &[u8], origin: Origin) {
+        let out = &mut self.to_server;
+        // Closed first, as the checks' statements are: a client may have taken the name.
+        msg::close(out, b'S', OWN_STATEMENT_NAME);
+        self.replies.push(Request::Close, origin);
+        msg::parse(out, OWN_STATEMENT_NAME, sql);
+        self.replies.push(Request::Parse, origin);
+        msg::bind_text(out, b"", OWN_STATEMENT_NAME, &[]);
+        self.replies.push(Request::Bind, origin);
+        msg::execute(out, b"");
+        self.replies.push(Request::Execute, origin);
+        msg::close(out, b'S', OWN_STATEMENT_NAME);
+        self.replies.push(Request::Close, origin);
+        msg::sync(out);
+        self.replies.push(Request::Sync, origin);
     }
 
     /// A request waiting for the replies in flight before its own check (see
@@ -675,9 +686,7 @@ impl Session {
                 {
                     // The check before the client's COMMIT failed, so the server skipped the
                     // COMMIT and left the block failed: end it before anything else runs.
-                    msg::query(&mut self.to_server, b"ROLLBACK");
-                    self.replies
-                        .push(Request::Query, Origin::Injected(Injected::Rollback));
+                    self.run_own_statement(b"ROLLBACK", Origin::Injected(Injected::Rollback));
                     self.commit_check = CommitCheck::RollingBack { found_failed };
                     return;
                 }
