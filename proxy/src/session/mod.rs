@@ -765,6 +765,9 @@ impl Session {
         }
         let mut client_pending = !cbuf.is_empty();
         let cancels = self.cancels.clone();
+        // A buffer may have grown past `READ_CHUNK` since the last look (see
+        // `shrink_when_empty`), which costs a call per buffer: looked for only then.
+        let mut outgrown = self.outgrown();
         loop {
             if client_pending && cancels.busy() {
                 // What the client sends while one of its cancels is on its way waits for it
@@ -774,7 +777,9 @@ impl Session {
             }
             if client_pending && self.reads_client() {
                 client_pending = false;
-                match self.guarded(|s| s.on_client_bytes(&mut cbuf)) {
+                let flow = self.guarded(|s| s.on_client_bytes(&mut cbuf));
+                outgrown |= self.outgrown();
+                match flow {
                     Ok(Flow::Terminate) => client_open = false,
                     // Copy data the client sent along with the Query it paused at.
                     Ok(Flow::Pause) => client_pending = self.copy_through && !cbuf.is_empty(),
@@ -802,21 +807,29 @@ impl Session {
                 && self.replies.len() < MAX_OWED_REPLIES;
             let read_server = self.to_client.len() < HIGH_WATER;
             if self.replies.is_empty() {
-                for buf in [
-                    &mut cbuf,
-                    &mut sbuf,
-                    &mut self.to_server,
-                    &mut self.to_client,
-                ] {
-                    shrink_when_empty(buf);
+                if outgrown {
+                    // Looked at again next time if one of them is not empty yet.
+                    outgrown = false;
+                    for buf in [
+                        &mut cbuf,
+                        &mut sbuf,
+                        &mut self.to_server,
+                        &mut self.to_client,
+                    ] {
+                        outgrown |= !buf.is_empty();
+                        shrink_when_empty(buf);
+                    }
                 }
                 self.replies.shrink_when_empty();
             }
+            // A read buffer grows only here (see `Session::outgrown`).
             if cbuf.capacity() - cbuf.len() < 1024 {
                 cbuf.reserve(READ_CHUNK);
+                outgrown = true;
             }
             if sbuf.capacity() - sbuf.len() < 1024 {
                 sbuf.reserve(READ_CHUNK);
+                outgrown = true;
             }
             tokio::select! {
                 // Replies first: they free the client's buffers soonest.
@@ -841,6 +854,7 @@ impl Session {
                     if let Err(e) = self.guarded(|s| s.on_server_bytes(&mut sbuf)) {
                         return Err(self.fail(&mut cw, e).await);
                     }
+                    outgrown |= self.outgrown();
                     if was_waiting && self.hold != Hold::Waiting {
                         client_pending = true;
                         self.copy_through = false;
@@ -980,6 +994,16 @@ impl Session {
                     .statements
                     .iter()
                     .any(|s| s.kind == fence_core::classify::StatementKind::ReadOnly))
+    }
+
+    /// Whether an output buffer may have grown past `SHRINK_BUFFERS_ABOVE` in the handling
+    /// just done, which alone appends to them. A `BytesMut` that cannot take more grows when
+    /// its bytes do not fit; it reuses its start when that is free (`reserve`), so it
+    /// grows past a size only when it holds more than half of it then: past 256 KiB, more
+    /// than `READ_CHUNK`. (Bytes written since only make it hold less.)
+    #[inline]
+    fn outgrown(&self) -> bool {
+        self.to_server.len() > READ_CHUNK || self.to_client.len() > READ_CHUNK
     }
 
     /// Whether client messages are read and handled now.
