@@ -45,8 +45,9 @@
 //!   DEALLOCATE, is prepared again; a fast-path rejection in a block shows only its error; a
 //!   client's Parse the server refused or skipped does not change what pgfence thinks the
 //!   name runs; `COMMIT PREPARED`/`ROLLBACK PREPARED` with a token finish; the hint's reset
-//!   after a `PREPARE TRANSACTION`, and the ROLLBACK after a failed check before a COMMIT in a
-//!   batch, keep the client's unnamed statement.
+//!   after a `PREPARE TRANSACTION` keeps the client's unnamed statement, and the ROLLBACK
+//!   after a failed check before a COMMIT does to it what the COMMIT would have; a fast-path
+//!   rejection keeps the client's unnamed portal.
 //!
 //! Every rejection is asserted field by field (SPEC section 5), and the session is then
 //! shown to be usable and outside any transaction.
@@ -2022,10 +2023,10 @@ async fn the_reset_after_a_prepared_transaction_keeps_the_unnamed_statement() {
     assert_eq!(fx.count("pu").await, 2, "both prepared transactions commit");
 }
 
-/// pgfence's `ROLLBACK` after a check before a `COMMIT` in the client's batch failed (the
-/// server skipped the `COMMIT` and left the block failed) leaves the client's unnamed
-/// statement alone too: a Bind of it after the rejection runs, as on PostgreSQL directly
-/// after the commit.
+/// pgfence's `ROLLBACK` after a failed check before a client's `COMMIT` (the server skipped
+/// the `COMMIT` and left the block failed) does to the client's unnamed statement what the
+/// `COMMIT` would have done on PostgreSQL directly: a `COMMIT` in an extended-protocol batch
+/// leaves it (a Bind of it after the rejection runs), a `COMMIT` Query drops it (26000).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_rollback_after_a_failed_check_keeps_the_unnamed_statement() {
     let fx = Fixture::start("CREATE TABLE ru (tag text);", |c| {
@@ -2041,49 +2042,137 @@ async fn the_rollback_after_a_failed_check_keeps_the_unnamed_statement() {
     let direct_addr = std::net::SocketAddr::from(([127, 0, 0, 1], fx.cluster.port()));
     let (mut direct, _) = RawConn::login(direct_addr, SUPERUSER, APP_DB);
     let mut stale = fx.raw_session(&format!("-c fencing.token=33 -c fencing.resource={r}"));
+    let commit_in_batch = [
+        wire::parse("ru_commit", "COMMIT", &[]),
+        wire::bind("", "ru_commit", &[]),
+        wire::execute("", 0),
+        wire::sync(),
+    ]
+    .concat();
     let mut answers = Vec::new();
     for conn in [&mut direct, &mut stale] {
-        conn.send(&wire::query("BEGIN; INSERT INTO ru VALUES ('stale')"));
-        conn.until_ready();
-        conn.send(
-            &[
-                wire::parse("", "SELECT 41 + 1", &[]),
-                wire::parse("ru_commit", "COMMIT", &[]),
-                wire::bind("", "ru_commit", &[]),
-                wire::execute("", 0),
-                wire::sync(),
-            ]
-            .concat(),
-        );
-        let committed = conn.until_ready();
-        answers.push(
-            committed
-                .iter()
-                .find(|m| m.tag == b'E')
-                .and_then(Msg::sqlstate),
-        );
-        conn.send(&[wire::bind("", "", &[]), wire::execute("", 0), wire::sync()].concat());
-        let msgs = conn.until_ready();
-        answers.push(Some(
-            msgs.iter()
-                .map(|m| m.data_row().map_or(m.tag as char, |_| 'D'))
-                .collect(),
-        ));
+        for commit in [commit_in_batch.clone(), wire::query("COMMIT")] {
+            conn.send(&wire::query("BEGIN; INSERT INTO ru VALUES ('stale')"));
+            conn.until_ready();
+            conn.send(&[wire::parse("", "SELECT 41 + 1", &[]), wire::sync()].concat());
+            conn.until_ready();
+            conn.send(&commit);
+            let committed = conn.until_ready();
+            answers.push(
+                committed
+                    .iter()
+                    .find(|m| m.tag == b'E')
+                    .and_then(Msg::sqlstate),
+            );
+            conn.send(&[wire::bind("", "", &[]), wire::execute("", 0), wire::sync()].concat());
+            let msgs = conn.until_ready();
+            answers.push(Some(
+                msgs.iter()
+                    .map(|m| m.data_row().map_or(m.tag as char, |_| 'D'))
+                    .collect(),
+            ));
+        }
     }
+    let (ran, dropped) = (Some("2DCZ".to_string()), Some("EZ".to_string()));
+    let stale_write = Some("FN001".to_string());
     assert_eq!(
         answers,
         [
             None,
-            Some("2DCZ".into()),
-            Some("FN001".into()),
-            Some("2DCZ".into())
+            ran.clone(),
+            None,
+            dropped.clone(),
+            stale_write.clone(),
+            ran,
+            stale_write,
+            dropped
         ],
-        "PostgreSQL directly, then the stale session through pgfence"
+        "PostgreSQL directly (COMMIT in a batch, as a Query), then the stale session through \
+         pgfence"
     );
     assert_eq!(
         fx.count("ru WHERE tag = 'stale'").await,
-        1,
-        "the direct insert only"
+        2,
+        "the direct inserts only"
+    );
+}
+
+/// The fast path's rejection of an extended-protocol write runs in a portal of pgfence's
+/// own: the client's suspended unnamed portal lives on, as after any error on PostgreSQL,
+/// and goes on after `ROLLBACK TO SAVEPOINT`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fast_path_rejection_keeps_the_unnamed_portal() {
+    let fx = Fixture::start("CREATE TABLE fp (tag text CHECK (tag <> 'stale'));", |_| {}).await;
+    let r = "fast_portal";
+    fx.leader(r, 34)
+        .await
+        .simple("INSERT INTO fp VALUES ('leader')")
+        .await
+        .unwrap();
+    let direct_addr = std::net::SocketAddr::from(([127, 0, 0, 1], fx.cluster.port()));
+    let (mut direct, _) = RawConn::login(direct_addr, SUPERUSER, APP_DB);
+    let mut stale = fx.raw_session(&format!("-c fencing.token=33 -c fencing.resource={r}"));
+    // Directly, the CHECK fails the write where pgfence's fast path rejects it.
+    let named = |name: &str, sql: &str| {
+        [
+            wire::parse(name, sql, &[]),
+            wire::bind(name, name, &[]),
+            wire::execute(name, 0),
+        ]
+        .concat()
+    };
+    let mut answers = Vec::new();
+    for conn in [&mut direct, &mut stale] {
+        conn.send(&wire::query("BEGIN"));
+        conn.until_ready();
+        conn.send(
+            &[
+                wire::parse("", "SELECT generate_series(1, 6)", &[]),
+                wire::bind("", "", &[]),
+                wire::execute("", 2),
+                named("fp_savepoint", "SAVEPOINT s"),
+                named("fp_write", "INSERT INTO fp VALUES ('stale')"),
+                wire::sync(),
+            ]
+            .concat(),
+        );
+        let failed = conn.until_ready();
+        answers.push(
+            failed
+                .iter()
+                .find(|m| m.tag == b'E')
+                .and_then(Msg::sqlstate),
+        );
+        conn.send(
+            &[
+                named("fp_back", "ROLLBACK TO SAVEPOINT s"),
+                wire::execute("", 2),
+                wire::sync(),
+            ]
+            .concat(),
+        );
+        let rows: Vec<String> = conn
+            .until_ready()
+            .iter()
+            .map(|m| match m.data_row() {
+                Some(row) => String::from_utf8_lossy(row[0].as_deref().unwrap_or_default()).into(),
+                None => (m.tag as char).to_string(),
+            })
+            .collect();
+        answers.push(Some(rows.concat()));
+        conn.send(&wire::query("ROLLBACK"));
+        conn.until_ready();
+    }
+    let resumed = Some("12C34sZ".to_string());
+    assert_eq!(
+        answers,
+        [
+            Some("23514".to_string()),
+            resumed.clone(),
+            Some("FN001".to_string()),
+            resumed
+        ],
+        "PostgreSQL directly, then the stale session through pgfence"
     );
 }
 

@@ -146,7 +146,10 @@ impl Session {
                 self.tx.end_batch();
                 self.forward(frame, Request::Sync);
                 if let CommitCheck::Sent { found_failed } = self.commit_check {
-                    self.commit_check = CommitCheck::Pending { found_failed };
+                    self.commit_check = CommitCheck::Pending {
+                        found_failed,
+                        query: false,
+                    };
                     self.hold = Hold::Waiting;
                     return Ok(Flow::Pause);
                 }

@@ -540,10 +540,17 @@ impl Session {
             Some(token.get().to_string().into_bytes()),
             Some(fence.to_string().into_bytes()),
         ];
-        msg::bind_text(&mut self.to_server, b"", FAST_REJECT_NAME, &params);
+        // A portal of pgfence's own: binding the unnamed one would drop a client's
+        // suspended there. The rejection fails its (sub)transaction, which drops it.
+        msg::bind_text(
+            &mut self.to_server,
+            FAST_REJECT_NAME,
+            FAST_REJECT_NAME,
+            &params,
+        );
         self.replies
             .push(Request::Bind, Origin::Injected(Injected::FastReject));
-        msg::execute(&mut self.to_server, b"");
+        msg::execute(&mut self.to_server, FAST_REJECT_NAME);
         let about = self.rejection_subject();
         self.replies.push_about(
             Request::Execute,

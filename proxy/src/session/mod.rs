@@ -228,9 +228,12 @@ pub(crate) enum CommitCheck {
         found_failed: bool,
     },
     /// The batch's Sync (or the Query) went upstream: client messages wait for its
-    /// ReadyForQuery.
+    /// ReadyForQuery. `query`: the COMMIT is (in) a simple Query, which drops the client's
+    /// unnamed statement even when the server skips the COMMIT after the failed check (as
+    /// PostgreSQL runs it): pgfence's ROLLBACK then goes as a Query too.
     Pending {
         found_failed: bool,
+        query: bool,
     },
     /// pgfence's ROLLBACK is in flight; its ReadyForQuery goes to the client, after a
     /// `ROLLBACK` command tag for the client's COMMIT when `found_failed` (what PostgreSQL

@@ -322,6 +322,7 @@ impl Session {
         self.forward(frame, Request::Query);
         self.commit_check = CommitCheck::Pending {
             found_failed: false,
+            query: true,
         };
         self.hold = Hold::Waiting;
         Flow::Pause
@@ -400,6 +401,7 @@ impl Session {
             // A check before an inner COMMIT: see `CommitCheck`.
             self.commit_check = CommitCheck::Pending {
                 found_failed: false,
+                query: true,
             };
             self.hold = Hold::Waiting;
             self.copy_through = analysis

@@ -387,8 +387,8 @@ impl Session {
             if fields.code == IN_FAILED_TRANSACTION && !skips_client_work {
                 // The transaction had failed before: its COMMIT rolls back as usual.
                 self.release_held_complete();
-                if let CommitCheck::Sent { found_failed } | CommitCheck::Pending { found_failed } =
-                    &mut self.commit_check
+                if let CommitCheck::Sent { found_failed }
+                | CommitCheck::Pending { found_failed, .. } = &mut self.commit_check
                 {
                     // Not when a check of an earlier Sync met the failed block: the
                     // COMMIT's own statements (the rest of its Query) may fail first.
@@ -681,12 +681,21 @@ impl Session {
         self.release_held_complete();
         if settled {
             match self.commit_check {
-                CommitCheck::Pending { found_failed }
-                    if status == b'E' && (self.check_failed || found_failed) =>
-                {
+                CommitCheck::Pending {
+                    found_failed,
+                    query,
+                } if status == b'E' && (self.check_failed || found_failed) => {
                     // The check before the client's COMMIT failed, so the server skipped the
                     // COMMIT and left the block failed: end it before anything else runs.
-                    self.run_own_statement(b"ROLLBACK", Origin::Injected(Injected::Rollback));
+                    // As the client sent its COMMIT: a Query drops the unnamed statement,
+                    // an extended-protocol batch leaves it.
+                    let rollback = Origin::Injected(Injected::Rollback);
+                    if query {
+                        msg::query(&mut self.to_server, b"ROLLBACK");
+                        self.replies.push(Request::Query, rollback);
+                    } else {
+                        self.run_own_statement(b"ROLLBACK", rollback);
+                    }
                     self.commit_check = CommitCheck::RollingBack { found_failed };
                     return;
                 }
