@@ -10,8 +10,10 @@
 //!   no INFO-or-above event other than a rejection carries statement text; connections open
 //!   and close at DEBUG.
 //! - [`a_rejection_names_its_own_transactions_statement`]: two stale writes pipelined in
-//!   one batch are logged each with its own statement; a checked read that wrote (through
-//!   a view) is logged with the read, not the session's earlier write.
+//!   one batch are logged each with its own statement; a batch's write checked before a
+//!   Query that ends its transaction is named, not the Query; a FunctionCall by its oid; a
+//!   checked read that wrote (through a view) is logged with the read, not the session's
+//!   earlier write.
 //! - [`a_database_without_the_schema_says_how_to_install_it`]: writes fail with the
 //!   server's 3F000 and a hint naming `pgfence install`, in both protocols, logged at WARN
 //!   once; reads go on.
@@ -585,6 +587,40 @@ async fn a_rejection_names_its_own_transactions_statement() {
             "the {n} pipelined write is rejected: {replies:?}"
         );
     }
+    // A stale write in a batch, then a Query that ends the batch's transaction: the check
+    // before the Query is the batch's (the Query never runs).
+    let in_batch = insert(4, "batch before a query");
+    raw.send(
+        &[
+            wire::parse("", in_batch.as_str(), &[]),
+            wire::bind("", "", &[]),
+            wire::execute("", 0),
+            wire::query(insert(5, "query ending the batch")),
+            wire::sync(),
+        ]
+        .concat(),
+    );
+    let replies = raw.until_ready();
+    assert!(
+        replies
+            .iter()
+            .any(|m| m.sqlstate().as_deref() == Some("FN001")),
+        "the batch's write is rejected: {replies:?}"
+    );
+    raw.until_ready();
+    // A FunctionCall that writes (`lo_creat`) in a block: named by its function's oid.
+    raw.send(&wire::query("BEGIN"));
+    raw.until_ready();
+    raw.send(&wire::function_call(957, &[Some(b"-1")]));
+    raw.until_ready();
+    raw.send(&wire::query("COMMIT"));
+    let replies = raw.until_ready();
+    assert!(
+        replies
+            .iter()
+            .any(|m| m.sqlstate().as_deref() == Some("FN001")),
+        "the FunctionCall's block is rejected: {replies:?}"
+    );
     // Reads that are checked, after the session's accepted write. The check rejects only
     // a transaction that wrote: these read a view whose function writes.
     cluster
@@ -611,9 +647,17 @@ async fn a_rejection_names_its_own_transactions_statement() {
         "an autocommit read, extended protocol",
     );
 
-    let expected = [first, second, read_simple, read_extended];
+    let function_call = "FunctionCall (function oid 957)".to_string();
+    let expected = [
+        first,
+        second,
+        in_batch,
+        function_call,
+        read_simple,
+        read_extended,
+    ];
     let statements = eventually(
-        "four rejections logged",
+        "every rejection logged",
         || Some(rejected_statements(&proxy)).filter(|s| s.len() >= expected.len()),
         || proxy.logs(),
     );

@@ -12,7 +12,7 @@ use crate::protocol::message::{self as msg, Frontend};
 use super::read_audit::Verdict;
 use super::replies::{AfterCheck, Origin, Request};
 use super::tx::View;
-use super::{CommitCheck, CopyFromClient, CopyIn, Flow, Flushed, Hold, Session};
+use super::{CommitCheck, CopyFromClient, CopyIn, Flow, Flushed, Hold, Remembered, Session};
 
 impl Session {
     pub(super) fn on_client_frame(&mut self, tag: u8, frame: &[u8]) -> Result<Flow, SessionError> {
@@ -376,6 +376,7 @@ impl Session {
                     return Flow::Continue;
                 }
                 None if self.precheck_possible() && self.replies.is_empty() => {
+                    self.remember_function_call(frame);
                     self.inject_check_with_sync(true, AfterCheck::Release);
                     return self.hold_until_answered();
                 }
@@ -396,8 +397,20 @@ impl Session {
         // ended with it; elsewhere it may have written to the transaction that goes on.
         if self.tx.view != View::Idle || self.inside_batch() {
             self.tx.dirty = true;
+            self.remember_function_call(frame);
         }
         self.forward(frame, Request::FunctionCall);
         Flow::Continue
+    }
+
+    /// Keeps a FunctionCall as what a check is owed for: it has no text, so the rejection
+    /// log names the function by its oid.
+    #[cold]
+    fn remember_function_call(&mut self, frame: &[u8]) {
+        let oid = frame
+            .get(5..9)
+            .map_or(0, |b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]));
+        let text = format!("FunctionCall (function oid {oid})");
+        Remembered::query(&mut self.last_write, text.as_bytes());
     }
 }

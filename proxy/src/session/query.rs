@@ -102,7 +102,11 @@ impl Session {
             [only] => Some(only.kind),
             _ => None,
         };
+        // What a check is owed for: this Query, from where it is checked or rejected, and
+        // not before a check of the batch it ends, which is the batch's.
+        let owes = self.owes_check_for(analysis);
         if single == Some(StatementKind::NonTransactional) {
+            self.remember_write(owes, sql);
             if let Some(flow) = self.non_transactional_query(frame, analysis) {
                 return Ok(flow);
             }
@@ -125,6 +129,7 @@ impl Session {
                 &analysis.directives,
                 &self.shared.fences,
             ) {
+                self.remember_write(owes, sql);
                 return Ok(self.fast_reject_query(analysis, resource, token, fence));
             }
         }
@@ -149,6 +154,7 @@ impl Session {
             // run in an implicit block, and one it takes for block-sensitive would get none).
             return Ok(self.check_inside_batch_first(false));
         }
+        self.remember_write(owes, sql);
         if matches!(
             single,
             Some(StatementKind::Commit | StatementKind::PrepareTransaction)
@@ -202,11 +208,9 @@ impl Session {
     }
 
     /// What a Query changes whether or not the fence is on: the text kept for rejection
-    /// logs, and the prepared statements it drops or replaces.
+    /// logs, and the prepared statements it drops or replaces. (What a check is owed for,
+    /// `last_write`, is kept once the Query goes on: see `Session::on_query`.)
     fn note_query(&mut self, sql: &[u8], analysis: &Analysis) {
-        if self.owes_check_for(analysis) {
-            Remembered::query(&mut self.last_write, sql);
-        }
         Remembered::query(&mut self.last_sql, sql);
         if analysis
             .statements
@@ -219,6 +223,15 @@ impl Session {
             for statement in analysis.statements.iter().filter(|s| s.prepares_in_sql) {
                 self.forget_prepared_in_sql(&prepared_in_sql(statement.text(sql), self.lex));
             }
+        }
+    }
+
+    /// Keeps a Query's text as what a check is owed for, if it is (`owes`, see
+    /// [`Session::owes_check_for`]).
+    #[inline]
+    fn remember_write(&mut self, owes: bool, sql: &[u8]) {
+        if owes {
+            Remembered::query(&mut self.last_write, sql);
         }
     }
 
