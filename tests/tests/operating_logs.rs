@@ -523,6 +523,13 @@ async fn text_log_without_fast_path() {
     );
 }
 
+/// Whether a reply is the error FN001 (stale).
+fn has_fn001(replies: &[wire::Msg]) -> bool {
+    replies
+        .iter()
+        .any(|m| m.sqlstate().as_deref() == Some("FN001"))
+}
+
 /// The statements the `fence rejected` events of `proxy` name, in order.
 fn rejected_statements(proxy: &ProxyProcess) -> Vec<String> {
     json_events(&proxy.logs())
@@ -581,9 +588,7 @@ async fn a_rejection_names_its_own_transactions_statement() {
     for n in ["first", "second"] {
         let replies = raw.until_ready();
         assert!(
-            replies
-                .iter()
-                .any(|m| m.sqlstate().as_deref() == Some("FN001")),
+            has_fn001(&replies),
             "the {n} pipelined write is rejected: {replies:?}"
         );
     }
@@ -602,9 +607,7 @@ async fn a_rejection_names_its_own_transactions_statement() {
     );
     let replies = raw.until_ready();
     assert!(
-        replies
-            .iter()
-            .any(|m| m.sqlstate().as_deref() == Some("FN001")),
+        has_fn001(&replies),
         "the batch's write is rejected: {replies:?}"
     );
     raw.until_ready();
@@ -616,9 +619,7 @@ async fn a_rejection_names_its_own_transactions_statement() {
     raw.send(&wire::query("COMMIT"));
     let replies = raw.until_ready();
     assert!(
-        replies
-            .iter()
-            .any(|m| m.sqlstate().as_deref() == Some("FN001")),
+        has_fn001(&replies),
         "the FunctionCall's block is rejected: {replies:?}"
     );
     // Reads that are checked, after the session's accepted write. The check rejects only
