@@ -1923,6 +1923,11 @@ async fn a_session_opened_before_the_schema_follows_the_audit_after_it() {
     tokio::time::sleep(Duration::from_millis(1200)).await;
     session.simple("SELECT 1").await.unwrap();
     session.simple("SELECT 2").await.unwrap();
+    // Nor does the check of an extended-protocol write (its Bind and Execute).
+    session
+        .extended("INSERT INTO rm VALUES ('echoed')")
+        .await
+        .unwrap();
     let mut seen = Vec::new();
     while let Ok(notice) = session.notices.try_recv() {
         seen.push(notice.message().to_string());
@@ -1934,6 +1939,15 @@ async fn a_session_opened_before_the_schema_follows_the_audit_after_it() {
     assert!(
         !seen.iter().any(|m| m.contains("reads_may_write")),
         "the question's notice reached the client: {seen:?}"
+    );
+    assert!(
+        seen.iter().any(|m| m.contains("echoed")),
+        "no echo of the write: {seen:?}"
+    );
+    // (A simple Query's check is part of the client's Query: its echo shows it.)
+    assert!(
+        !seen.iter().any(|m| m.starts_with("execute pgfence_")),
+        "the check's notice reached the client: {seen:?}"
     );
 }
 

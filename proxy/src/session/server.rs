@@ -38,9 +38,9 @@ impl Session {
             return Err(SessionError::UnexpectedServerMessage(tag as char));
         };
         match kind {
-            // Not those of pgfence's question asked again (a `log_statement` echo), as at
-            // the session's start.
-            Backend::NoticeResponse => self.forward_if_not_question(frame),
+            // Not those of pgfence's own requests (a `log_statement` echo of its check or
+            // question): they are not the client's.
+            Backend::NoticeResponse => self.forward_if_client(frame),
             Backend::NotificationResponse => self.forward_notification(frame),
             Backend::ParameterStatus => {
                 self.on_parameter_status(frame)?;
@@ -153,17 +153,6 @@ impl Session {
         };
         if let Some(pid) = given {
             self.to_client[at + 5..at + 9].copy_from_slice(&pid.to_be_bytes());
-        }
-    }
-
-    #[inline]
-    fn forward_if_not_question(&mut self, frame: &[u8]) {
-        if self
-            .replies
-            .front()
-            .is_none_or(|p| p.origin != Origin::Injected(Injected::ReadAudit))
-        {
-            self.to_client.extend_from_slice(frame);
         }
     }
 
