@@ -2188,6 +2188,32 @@ async fn a_fast_path_rejection_keeps_the_unnamed_portal() {
         ],
         "PostgreSQL directly, then the stale session through pgfence"
     );
+    // A client's portal of the rejection's name is pgfence's to close: the client is still
+    // told its write is stale (not 42P03, cursor already exists).
+    stale.send(&wire::query("BEGIN"));
+    stale.until_ready();
+    stale.send(
+        &[
+            wire::parse("fp_rows", "SELECT generate_series(1, 6)", &[]),
+            wire::bind("pgfence_fast_reject", "fp_rows", &[]),
+            wire::execute("pgfence_fast_reject", 2),
+            named("fp_write_2", "INSERT INTO fp VALUES ('stale')"),
+            wire::sync(),
+        ]
+        .concat(),
+    );
+    let failed = stale.until_ready();
+    assert_eq!(
+        failed
+            .iter()
+            .find(|m| m.tag == b'E')
+            .and_then(Msg::sqlstate)
+            .as_deref(),
+        Some("FN001"),
+        "{failed:?}"
+    );
+    stale.send(&wire::query("ROLLBACK"));
+    stale.until_ready();
 }
 
 /// A session whose question asked again gets no answer keeps checking its reads. After

@@ -541,7 +541,12 @@ impl Session {
             Some(fence.to_string().into_bytes()),
         ];
         // A portal of pgfence's own: binding the unnamed one would drop a client's
-        // suspended there. The rejection fails its (sub)transaction, which drops it.
+        // suspended there. The rejection fails its (sub)transaction, which drops it; closed
+        // first all the same, so that a client's portal of that name cannot turn the
+        // rejection into 42P03.
+        msg::close(&mut self.to_server, b'P', FAST_REJECT_NAME);
+        self.replies
+            .push(Request::Close, Origin::Injected(Injected::FastReject));
         msg::bind_text(
             &mut self.to_server,
             FAST_REJECT_NAME,
