@@ -195,13 +195,7 @@ pub struct Replies {
 impl Replies {
     #[inline]
     pub fn push(&mut self, request: Request, origin: Origin) {
-        self.queue.push_back(Pending {
-            request,
-            origin,
-            plan: QueryPlan::default(),
-            name: None,
-            before: None,
-        });
+        self.push_about(request, origin, None);
     }
 
     /// pgfence's request about the client's statement `about` (a check, a fast-path
