@@ -21,6 +21,8 @@
 //! - [`reads_that_write_through_the_schema_are_checked`] and
 //!   [`the_read_audit_follows_the_schema`]: in a database whose schema lets a read call a
 //!   function of its own (a domain, an operator, an overload, a view), reads are checked.
+//! - [`a_question_that_timed_out_is_asked_again`]: a read audit question that failed in a
+//!   way that passes (57014) checks reads for a second, then is asked again.
 //! - [`missing_token_policy`]: FN002 for a resource that requires a token, a comment naming
 //!   another resource adds it to the default one (a session's own replaces it), `allow` lets
 //!   the write through, an unfenced session is not checked, a token without a resource is
@@ -2214,6 +2216,56 @@ async fn a_fast_path_rejection_keeps_the_unnamed_portal() {
     );
     stale.send(&wire::query("ROLLBACK"));
     stale.until_ready();
+}
+
+/// A question asked again that fails in a way that passes (here its session's
+/// `statement_timeout`, behind a lock on the audit's table; a client's cancel that comes
+/// late is the same 57014) checks reads until it is asked again, a second later, and then
+/// the reads skip the check again: the session does not pay for every read to its end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_question_that_timed_out_is_asked_again() {
+    let fx = Fixture::start("CREATE TABLE qt (tag text);", |c| {
+        c.admin.users = vec![SUPERUSER.into()];
+        c.fence.fast_path = false;
+    })
+    .await;
+    let r = "question_timed_out";
+    let reader = fx.leader(r, 34).await;
+    reader
+        .simple("SET statement_timeout = '300ms'")
+        .await
+        .unwrap();
+    let locker = fx.cluster.connect(APP_DB).await;
+    locker
+        .batch_execute("BEGIN; LOCK TABLE pgfence.read_audit IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let (checks, questions) = (
+        fx.checks_done().await,
+        fx.stat("read_audit_questions").await,
+    );
+    // Asked before this read, and timed out: the read is checked, and answered.
+    reader.simple("SELECT count(*) FROM qt").await.unwrap();
+    assert_eq!(fx.stat("read_audit_questions").await - questions, 1);
+    assert_eq!(fx.checks_done().await - checks, 1, "the read is checked");
+    locker.batch_execute("ROLLBACK").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let (checks, questions) = (
+        fx.checks_done().await,
+        fx.stat("read_audit_questions").await,
+    );
+    for _ in 0..10 {
+        reader.simple("SELECT count(*) FROM qt").await.unwrap();
+        reader.extended("SELECT count(*) FROM qt").await.unwrap();
+    }
+    let asked = fx.stat("read_audit_questions").await - questions;
+    let checked = fx.checks_done().await - checks;
+    assert!(asked >= 1, "not asked again");
+    assert!(
+        checked <= asked,
+        "{checked} of 20 reads checked after the question got through ({asked} asked)"
+    );
 }
 
 /// A session whose question asked again gets no answer keeps checking its reads. After

@@ -24,14 +24,16 @@
 //! an older classifier, with `pgfence.reads_may_write()`), every transaction is checked,
 //! and a WARN says so once per database. Where schema pgfence is missing (writes fail
 //! there) or the user may not call the function (nor then the check), reads are skipped as
-//! the classifier says, with a WARN. Any other failure (a `statement_timeout`, a lock
-//! timeout) leaves the answer unknown, and the session checks reads. A database without
+//! the classifier says, with a WARN. A failure that passes (a cancel, a `statement_timeout`,
+//! a lock timeout, a serialization failure or deadlock) leaves the answer unknown for
+//! `read_audit_max_age`: the session checks reads and then asks again. Any other failure
+//! leaves it unknown for the session, which checks reads to its end. A database without
 //! the schema or the function is not asked again for a minute (`state::READ_AUDIT_RETRY`):
 //! each question would log an error on the server.
 
 use std::time::Instant;
 
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::error::SessionError;
 use crate::protocol::message as msg;
@@ -66,7 +68,9 @@ pub(super) enum Verdict {
     /// for an answer (no schema, an older one, a failure), which holds for the session.
     Fixed,
     /// The database's verdict, given at `learnt`, good until `fence.read_audit_max_age`
-    /// after: until `expires` on the [coarse clock](coarse_now).
+    /// after: until `expires` on the [coarse clock](coarse_now). Also a question that
+    /// failed in a way that passes (`PASSING`), with reads checked, as if the answer had
+    /// been true.
     Known { learnt: Instant, expires: u64 },
     /// Out of date: reads are checked until the session asks, when nothing is in flight
     /// and no batch is open.
@@ -94,6 +98,13 @@ const NOT_ASKABLE: [&str; 2] = ["3F000", "42501"];
 
 /// Undefined function: a schema older than version 9 (or the function dropped).
 const OLD_SCHEMA: &str = "42883";
+
+/// Errors that pass: query canceled (a client's cancel that came late, or a
+/// `statement_timeout`), lock not available (the question's own `lock_timeout`, behind a
+/// `pgfence install` or a `VACUUM FULL`), serialization failure, deadlock. Reads are
+/// checked, and the question asked again once the failed answer is as old as an answer
+/// may be.
+const PASSING: [&str; 4] = ["57014", "55P03", "40001", "40P01"];
 
 /// The question, as a simple Query: 9 is the schema version whose classifier this is (see
 /// `pgfence.read_audit_objects(integer)` in fence-core's install script). A proxy of an
@@ -153,6 +164,23 @@ impl Session {
             // The session's own DDL went after the question: its reads stay checked.
             self.verdict = Verdict::Fixed;
             return;
+        }
+        if let Answer::Failed(code, message) = &answer {
+            if PASSING.contains(&code.as_str()) {
+                // Reads checked until the question, asked again, gets through.
+                self.tx.check_reads = true;
+                self.verdict = Verdict::Known {
+                    learnt: asked_at,
+                    expires: self.read_audit_expiry(asked_at),
+                };
+                debug!(
+                    database = %self.database,
+                    sqlstate = %code,
+                    error = %message,
+                    "the read audit's question failed: reads are checked until it is asked again"
+                );
+                return;
+            }
         }
         if again && !verdict && !missing {
             // Answered at the start, not now: the session's role may have changed (`SET
@@ -244,7 +272,7 @@ impl Session {
                     );
                 }
             }
-            // Anything else (a statement_timeout, a lock, a conflict with recovery): the
+            // Anything else (an error inside the function, say): the
             // answer is not known, so this session checks reads.
             Answer::Failed(code, message) => {
                 self.tx.check_reads = true;
