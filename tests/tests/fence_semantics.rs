@@ -108,6 +108,13 @@ impl Fixture {
         RawConn::login_with_options(self.proxy.addr(), SUPERUSER, APP_DB, options)
     }
 
+    /// A raw connection straight to PostgreSQL, logged in to `app`: what pgfence is
+    /// compared with byte for byte.
+    fn raw_direct(&self) -> RawConn {
+        let addr = std::net::SocketAddr::from(([127, 0, 0, 1], self.cluster.port()));
+        RawConn::login(addr, SUPERUSER, APP_DB).0
+    }
+
     /// A fixture with `table (tag text)`, to which a leader with token 34 of resource
     /// `table` has written through the proxy, and the startup options of a stale session
     /// (token 33 of that resource).
@@ -1968,8 +1975,7 @@ async fn a_fast_path_rejection_drops_the_unnamed_statement() {
         .simple("INSERT INTO fu VALUES ('leader')")
         .await
         .unwrap();
-    let direct_addr = std::net::SocketAddr::from(([127, 0, 0, 1], fx.cluster.port()));
-    let (mut direct, _) = RawConn::login(direct_addr, SUPERUSER, APP_DB);
+    let mut direct = fx.raw_direct();
     let mut stale_session = fx.raw_session(&format!("-c fencing.token=33 -c fencing.resource={r}"));
     let mut replies = Vec::new();
     for conn in [&mut direct, &mut stale_session] {
@@ -2001,8 +2007,7 @@ async fn a_fast_path_rejection_drops_the_unnamed_statement() {
 async fn the_reset_after_a_prepared_transaction_keeps_the_unnamed_statement() {
     let fx = Fixture::start("CREATE TABLE pu (tag text);", |_| {}).await;
     let r = "prepared_unnamed";
-    let direct_addr = std::net::SocketAddr::from(([127, 0, 0, 1], fx.cluster.port()));
-    let (mut direct, _) = RawConn::login(direct_addr, SUPERUSER, APP_DB);
+    let mut direct = fx.raw_direct();
     let mut fenced = fx.raw_session(&format!("-c fencing.token=34 -c fencing.resource={r}"));
     let mut answers = Vec::new();
     for (conn, gid) in [(&mut direct, "pu_direct"), (&mut fenced, "pu_fenced")] {
@@ -2055,8 +2060,7 @@ async fn the_rollback_after_a_failed_check_keeps_the_unnamed_statement() {
         .simple("INSERT INTO ru VALUES ('leader')")
         .await
         .unwrap();
-    let direct_addr = std::net::SocketAddr::from(([127, 0, 0, 1], fx.cluster.port()));
-    let (mut direct, _) = RawConn::login(direct_addr, SUPERUSER, APP_DB);
+    let mut direct = fx.raw_direct();
     let mut stale = fx.raw_session(&format!("-c fencing.token=33 -c fencing.resource={r}"));
     let commit_in_batch = [
         wire::parse("ru_commit", "COMMIT", &[]),
@@ -2074,12 +2078,7 @@ async fn the_rollback_after_a_failed_check_keeps_the_unnamed_statement() {
             conn.until_ready();
             conn.send(&commit);
             let committed = conn.until_ready();
-            answers.push(
-                committed
-                    .iter()
-                    .find(|m| m.tag == b'E')
-                    .and_then(Msg::sqlstate),
-            );
+            answers.push(first_error(&committed));
             conn.send(&[wire::bind("", "", &[]), wire::execute("", 0), wire::sync()].concat());
             let msgs = conn.until_ready();
             answers.push(Some(
@@ -2125,8 +2124,7 @@ async fn a_fast_path_rejection_keeps_the_unnamed_portal() {
         .simple("INSERT INTO fp VALUES ('leader')")
         .await
         .unwrap();
-    let direct_addr = std::net::SocketAddr::from(([127, 0, 0, 1], fx.cluster.port()));
-    let (mut direct, _) = RawConn::login(direct_addr, SUPERUSER, APP_DB);
+    let mut direct = fx.raw_direct();
     let mut stale = fx.raw_session(&format!("-c fencing.token=33 -c fencing.resource={r}"));
     // Directly, the CHECK fails the write where pgfence's fast path rejects it.
     let named = |name: &str, sql: &str| {
@@ -2153,12 +2151,7 @@ async fn a_fast_path_rejection_keeps_the_unnamed_portal() {
             .concat(),
         );
         let failed = conn.until_ready();
-        answers.push(
-            failed
-                .iter()
-                .find(|m| m.tag == b'E')
-                .and_then(Msg::sqlstate),
-        );
+        answers.push(first_error(&failed));
         conn.send(
             &[
                 named("fp_back", "ROLLBACK TO SAVEPOINT s"),
@@ -2205,15 +2198,7 @@ async fn a_fast_path_rejection_keeps_the_unnamed_portal() {
         .concat(),
     );
     let failed = stale.until_ready();
-    assert_eq!(
-        failed
-            .iter()
-            .find(|m| m.tag == b'E')
-            .and_then(Msg::sqlstate)
-            .as_deref(),
-        Some("FN001"),
-        "{failed:?}"
-    );
+    assert_eq!(first_error(&failed).as_deref(), Some("FN001"), "{failed:?}");
     stale.send(&wire::query("ROLLBACK"));
     stale.until_ready();
 }
@@ -2266,6 +2251,11 @@ async fn a_question_that_timed_out_is_asked_again() {
         checked <= asked,
         "{checked} of 20 reads checked after the question got through ({asked} asked)"
     );
+}
+
+/// The SQLSTATE of the first error among `msgs`, if any.
+fn first_error(msgs: &[Msg]) -> Option<String> {
+    msgs.iter().find(|m| m.tag == b'E').and_then(Msg::sqlstate)
 }
 
 /// A session whose question asked again gets no answer keeps checking its reads. After
