@@ -16,9 +16,14 @@
 //! A session therefore counts its cancels still being forwarded ([`InFlight`]) and holds its
 //! client's next messages, and its server connection back from the pool, until the server
 //! has closed every cancel connection: it has sent both signals then.
+//!
+//! A cancel that comes while the session's read audit asks its question (see
+//! `session::read_audit`) would cancel the question, not the client's statement sent behind
+//! it, and the statement would run on. It is held until the question is answered, and the
+//! session then forwards it ([`InFlight::defer_while_asking`]).
 
 use std::fmt;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -41,18 +46,54 @@ pub struct CancelTarget {
     pub in_flight: Arc<InFlight>,
 }
 
-/// How many cancel requests of one session pgfence is forwarding now.
+/// How many cancel requests of one session pgfence is forwarding now, and whether one waits
+/// for the session's read audit question.
 #[derive(Debug, Default)]
 pub struct InFlight {
     count: AtomicU32,
     settled: tokio::sync::Notify,
+    /// [`QUIET`], [`ASKING`] or [`ASKING_CANCELLED`].
+    question: AtomicU8,
 }
+
+/// No question of pgfence's own is running in the session.
+const QUIET: u8 = 0;
+/// The read audit's question is running: a cancel now would cancel it.
+const ASKING: u8 = 1;
+/// The question is running, and a client's cancel waits for its answer.
+const ASKING_CANCELLED: u8 = 2;
 
 impl InFlight {
     /// A cancel is being forwarded: its server may not have sent every signal yet.
     #[inline]
     pub fn busy(&self) -> bool {
         self.count.load(Ordering::Acquire) != 0
+    }
+
+    /// The session sends its read audit question: cancels wait for the answer.
+    pub fn asking(&self) {
+        self.question.store(ASKING, Ordering::Release);
+    }
+
+    /// The question is answered: whether a cancel came meanwhile, which the session
+    /// forwards now.
+    pub fn answered(&self) -> bool {
+        self.question.swap(QUIET, Ordering::AcqRel) == ASKING_CANCELLED
+    }
+
+    /// A client's cancel came: true when the session is asking its question, which then
+    /// forwards the cancel once answered (two cancels then make one, as two signals before
+    /// the backend handles one do); false when it must be forwarded now.
+    pub fn defer_while_asking(&self) -> bool {
+        match self.question.compare_exchange(
+            ASKING,
+            ASKING_CANCELLED,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
+            Ok(_) => true,
+            Err(now) => now == ASKING_CANCELLED,
+        }
     }
 
     /// Counts one cancel until the guard is dropped.
@@ -156,13 +197,20 @@ impl CancelRegistry {
 
 /// Forwards a client's cancel for `target`, connecting (TLS handshake included) within
 /// `limit` (`limits.connect_timeout`), so that a server that never answers does not keep
-/// the task; what went wrong, for the log.
-pub async fn forward(target: CancelTarget, limit: Duration) -> Result<(), String> {
-    let _counted = target.in_flight.start();
-    match crate::deadline::timeout(limit, send_cancel(target)).await {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err(format!("timed out after {limit:?}")),
+/// the task; what went wrong, for the log. The cancel counts as in flight from this call,
+/// before the future is first polled.
+pub fn forward(
+    target: CancelTarget,
+    limit: Duration,
+) -> impl std::future::Future<Output = Result<(), String>> {
+    let counted = target.in_flight.start();
+    async move {
+        let _counted = counted;
+        match crate::deadline::timeout(limit, send_cancel(target)).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!("timed out after {limit:?}")),
+        }
     }
 }
 
@@ -349,6 +397,34 @@ mod tests {
             .expect("settled once the server closed");
         assert!(!in_flight.busy());
         forward.await.unwrap().unwrap();
+    }
+
+    /// A cancel that comes while the session asks its question is held (a second one
+    /// with it) and handed to the session at the answer, once; one that comes before the
+    /// question or after its answer goes at once.
+    #[test]
+    fn a_cancel_waits_for_the_question() {
+        let in_flight = InFlight::default();
+        assert!(
+            !in_flight.defer_while_asking(),
+            "no question: forwarded now"
+        );
+        assert!(!in_flight.answered());
+        in_flight.asking();
+        assert!(in_flight.defer_while_asking());
+        assert!(
+            in_flight.defer_while_asking(),
+            "a second cancel joins the first"
+        );
+        assert!(in_flight.answered(), "the session forwards it");
+        assert!(!in_flight.answered(), "once");
+        assert!(
+            !in_flight.defer_while_asking(),
+            "after the answer: forwarded now"
+        );
+        in_flight.asking();
+        assert!(!in_flight.answered(), "no cancel came");
+        assert!(!in_flight.defer_while_asking());
     }
 
     fn target(port: u16, pid: i32) -> CancelTarget {

@@ -108,6 +108,18 @@ impl Fixture {
         RawConn::login_with_options(self.proxy.addr(), SUPERUSER, APP_DB, options)
     }
 
+    /// A connection straight to PostgreSQL holding `pgfence.read_audit` locked in a
+    /// transaction, so that the read audit's question waits (up to its `lock_timeout`, 1
+    /// s) until the returned client runs `ROLLBACK`.
+    async fn lock_read_audit(&self) -> Client {
+        let locker = self.cluster.connect(APP_DB).await;
+        locker
+            .batch_execute("BEGIN; LOCK TABLE pgfence.read_audit IN ACCESS EXCLUSIVE MODE")
+            .await
+            .unwrap();
+        locker
+    }
+
     /// A raw connection straight to PostgreSQL, logged in to `app`: what pgfence is
     /// compared with byte for byte.
     fn raw_direct(&self) -> RawConn {
@@ -2220,11 +2232,7 @@ async fn a_question_that_timed_out_is_asked_again() {
         .simple("SET statement_timeout = '300ms'")
         .await
         .unwrap();
-    let locker = fx.cluster.connect(APP_DB).await;
-    locker
-        .batch_execute("BEGIN; LOCK TABLE pgfence.read_audit IN ACCESS EXCLUSIVE MODE")
-        .await
-        .unwrap();
+    let locker = fx.lock_read_audit().await;
     tokio::time::sleep(Duration::from_millis(1200)).await;
     let (checks, questions) = (
         fx.checks_done().await,
@@ -2251,6 +2259,49 @@ async fn a_question_that_timed_out_is_asked_again() {
         checked <= asked,
         "{checked} of 20 reads checked after the question got through ({asked} asked)"
     );
+}
+
+/// A client's cancel that comes while the read audit's question runs before the client's
+/// statement cancels the statement, as it would directly, not the question: pgfence holds
+/// it until the question is answered. Here the question waits for a lock on the audit's
+/// table; the cancel comes meanwhile, and the lock goes before the question's own
+/// `lock_timeout` (1 s). Without the hold the cancel failed the question and the
+/// statement ran to its end.
+#[tokio::test]
+async fn a_cancel_during_the_question_cancels_the_clients_statement() {
+    let fx = Fixture::start("", |c| {
+        c.admin.users = vec![SUPERUSER.into()];
+    })
+    .await;
+    let reader = fx.leader("question_cancel", 34).await;
+    reader.simple("SELECT 1").await.unwrap();
+    let locker = fx.lock_read_audit().await;
+    // The answer is out of date: the question goes before the next statement.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let questions = fx.stat("read_audit_questions").await;
+    let token = reader.client.cancel_token();
+    let canceller = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        token
+            .cancel_query(tokio_postgres::NoTls)
+            .await
+            .expect("cancel_query");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        locker.batch_execute("ROLLBACK").await.unwrap();
+    });
+    let slept = reader.client.simple_query("SELECT pg_sleep(10)").await;
+    canceller.await.unwrap();
+    assert_eq!(
+        fx.stat("read_audit_questions").await - questions,
+        1,
+        "the question went before the statement"
+    );
+    assert_eq!(
+        sqlstate(&slept).as_deref(),
+        Some("57014"),
+        "the cancel reached the client's statement: {slept:?}"
+    );
+    reader.simple("SELECT 1").await.unwrap();
 }
 
 /// The SQLSTATE of the first error among `msgs`, if any.

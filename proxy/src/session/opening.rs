@@ -105,6 +105,10 @@ pub(super) async fn accept(
         Ok(Opening::Closed | Opening::Tls { .. }) => return Ok(None),
         Ok(Opening::Cancel { pid, key }) => {
             match shared.cancel.lookup(pid, key) {
+                Some(target) if target.in_flight.defer_while_asking() => debug!(
+                    backend_pid = target.pid,
+                    "cancel request held until the read audit's question is answered"
+                ),
                 Some(target) => {
                     debug!(
                         backend_pid = target.pid,

@@ -35,6 +35,7 @@ use std::time::Instant;
 
 use tracing::{debug, info, warn};
 
+use crate::cancel;
 use crate::error::SessionError;
 use crate::protocol::message as msg;
 
@@ -418,6 +419,7 @@ impl Session {
             && self.hold == Hold::None
             && self.flushed == Flushed::No;
         if quiet {
+            self.cancels.asking();
             msg::query(&mut self.to_server, QUERY);
             self.replies
                 .push(Request::Query, Origin::Injected(Injected::ReadAudit));
@@ -429,9 +431,35 @@ impl Session {
         }
     }
 
+    /// The question is answered: a client's cancel that came meanwhile, held so as not to
+    /// cancel the question (see `crate::cancel`), is forwarded now. It counts as in flight
+    /// from here, so the client's next messages wait for it, as for any cancel.
+    pub(super) fn question_answered(&self) {
+        if !self.cancels.answered() {
+            return;
+        }
+        let Some(target) = self
+            .client_key
+            .and_then(|(pid, key)| self.shared.cancel.lookup(pid, key))
+        else {
+            return;
+        };
+        debug!(
+            backend_pid = target.pid,
+            "forwarding the cancel request held for the read audit's question"
+        );
+        let forward = cancel::forward(target, self.shared.config().limits.connect_timeout);
+        tokio::spawn(async move {
+            if let Err(e) = forward.await {
+                warn!(error = %e, "cannot forward cancel request to upstream");
+            }
+        });
+    }
+
     /// The server's ReadyForQuery ended the login: asks the question, holding that
     /// ReadyForQuery back, and what the client sends meanwhile, until the answer is in.
     pub(super) fn ask_read_audit(&mut self, ready: &[u8]) {
+        self.cancels.asking();
         msg::query(&mut self.to_server, QUERY);
         self.shared.count_read_audit_question();
         self.verdict = Verdict::Asking {
@@ -462,6 +490,7 @@ impl Session {
                 if msg::ready_status(frame) != b'I' {
                     return Err(SessionError::UnexpectedServerMessage('Z'));
                 }
+                self.question_answered();
                 let answer = std::mem::take(&mut self.read_audit_answer);
                 let asked_at = self.question_sent_at();
                 self.apply_read_audit(answer, asked_at, false);

@@ -712,6 +712,7 @@ impl Session {
                 Injected::ResetHint | Injected::PrepareIdle(_) | Injected::StateSync,
             )) => {}
             Some(Origin::Injected(Injected::ReadAudit)) => {
+                self.question_answered();
                 let answer = std::mem::take(&mut self.read_audit_answer);
                 let asked_at = self.question_sent_at();
                 self.apply_read_audit(answer, asked_at, true);
