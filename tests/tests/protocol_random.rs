@@ -1520,8 +1520,12 @@ fn random_sessions_with_queries_inside_batches_same_replies() {
 /// took a snapshot there, and a `SET TRANSACTION ISOLATION LEVEL` after it failed; 28275,
 /// a `VACUUM` Query after an Execute of `DISCARD ALL` in its batch, which PostgreSQL
 /// commits at once: pgfence took the batch for pipelined, checked it first, and the check
-/// made the server refuse the `VACUUM` "within a pipeline".
-const FUNCTION_CALL_REGRESSION_SEEDS: &[u64] = &[102, 1647, 28275];
+/// made the server refuse the `VACUUM` "within a pipeline"; 30326, a Query `BEGIN` inside a
+/// batch that had written (with `SET LOCAL fencing.token`), then two Syncs: pgfence checked
+/// at the second Sync, inside the block the `BEGIN` had opened, and the check's snapshot made
+/// the next `BEGIN ISOLATION LEVEL SERIALIZABLE` fail (25001). A Sync whose batch executed
+/// nothing ends nothing that wrote.
+const FUNCTION_CALL_REGRESSION_SEEDS: &[u64] = &[102, 1647, 28275, 30326];
 
 /// The same, with FunctionCall messages too: of `w(k)` ([`W_SCHEMA`], a function that
 /// writes to `r` when row `k` exists), alone as a step and inside extended-protocol batches
@@ -1560,8 +1564,11 @@ fn random_sessions_with_function_calls_same_replies() {
 /// preparation of the simple-protocol check statement, whose Sync committed what the batch
 /// wrote (PostgreSQL rolled it back when the Query failed); 5927, the check of an earlier
 /// Sync failing in a failed block, taken for the held Query's (which got a ReadyForQuery
-/// the server never sent).
-const INSIDE_REGRESSION_SEEDS: &[u64] = &[165, 231, 407, 1116, 1120, 1300, 5723, 5927, 6152];
+/// the server never sent). 46279, a Query whose text carried a check of its own, sent into
+/// a batch whose `COMMIT` pgfence had checked with no Sync: its ReadyForQuery did not end
+/// that `COMMIT`'s check, so an Execute of a `DO` after it waited for replies the server
+/// sends only at the client's Flush, which the Execute held back (the session hung).
+const INSIDE_REGRESSION_SEEDS: &[u64] = &[165, 231, 407, 1116, 1120, 1300, 5723, 5927, 6152, 46279];
 
 /// Runs `plan`'s sessions straight to PostgreSQL and through pgfence with the fence on and
 /// off, and fails on the first difference in their replies (or every one, with

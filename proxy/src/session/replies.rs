@@ -302,6 +302,14 @@ impl Replies {
         });
     }
 
+    /// Whether an Execute of pgfence's check (see `Session::inject_check`) is still owed
+    /// its reply.
+    pub fn check_in_flight(&self) -> bool {
+        self.queue
+            .iter()
+            .any(|p| p.request == Request::Execute && p.origin == Origin::Injected(Injected::Check))
+    }
+
     #[inline]
     pub fn front(&self) -> Option<&Pending> {
         self.queue.front()

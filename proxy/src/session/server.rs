@@ -633,20 +633,31 @@ impl Session {
         while let Some(p) = self.replies.pop() {
             if p.request.is_sync_point() {
                 answered = Some(p.origin);
+                let behind_commit = match self.commit_check {
+                    // The batch's COMMIT, checked with no Sync: this Query or FunctionCall
+                    // went after its check when that check is answered (none is left in
+                    // flight), whatever checks the Query carries in its own text.
+                    CommitCheck::Sent { .. } => {
+                        p.request == Request::FunctionCall
+                            || p.plan.checks.is_empty()
+                            || !self.replies.check_in_flight()
+                    }
+                    // A Query that carries the check before its own COMMIT in its text is
+                    // answered even when the check fails, and keeps it (see `on_ready`'s
+                    // end); a lone COMMIT Query carries none.
+                    CommitCheck::Pending { .. } => {
+                        p.request == Request::FunctionCall || p.plan.checks.is_empty()
+                    }
+                    CommitCheck::None | CommitCheck::RollingBack { .. } => false,
+                };
                 if p.origin == Origin::Client
-                    && (p.request == Request::FunctionCall
-                        || (p.request == Request::Query && p.plan.checks.is_empty()))
-                    && matches!(
-                        self.commit_check,
-                        CommitCheck::Sent { .. } | CommitCheck::Pending { .. }
-                    )
+                    && matches!(p.request, Request::Query | Request::FunctionCall)
+                    && behind_commit
                 {
                     // A Query or FunctionCall answered behind a COMMIT pgfence checked with no
                     // Sync (of the client's batch, or a lone COMMIT Query itself): the check
                     // passed and the COMMIT ran (after a failed one the server skips all up to
-                    // a Sync). A check placed later in the batch is not that COMMIT's: it
-                    // meets the block a Query may have opened since (a Query that carries the
-                    // check in its text is answered even when the check fails, and keeps it).
+                    // a Sync, this message included: see `on_error`).
                     self.commit_check = CommitCheck::None;
                 }
                 break;

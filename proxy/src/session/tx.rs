@@ -227,9 +227,15 @@ impl TxState {
     /// batch with no transaction control after it: either the `BEGIN` ran, and the block
     /// (which holds what the batch wrote before it too) goes on past the Sync, to a COMMIT
     /// that is checked; or an error skipped it, and the Sync rolls back. A check there would
-    /// run in the block, where `SET TRANSACTION ISOLATION LEVEL` must come first.
+    /// run in the block, where `SET TRANSACTION ISOLATION LEVEL` must come first. Nor when
+    /// the batch executed nothing: every sync point ends the implicit transaction, so what
+    /// the session wrote before it and is still unchecked is in a block (or was rolled
+    /// back), and Parse, Bind, Describe and Close write nothing.
     pub fn sync_needs_check(&self) -> bool {
-        self.dirty && !self.batch_begun && !matches!(self.view, View::InBlock | View::Failed)
+        self.dirty
+            && self.batch_has_execute
+            && !self.batch_begun
+            && !matches!(self.view, View::InBlock | View::Failed)
     }
 
     /// A ReadyForQuery arrived; `settled` when nothing else is in flight.
