@@ -2243,7 +2243,8 @@ async fn a_question_that_timed_out_is_asked_again() {
     assert_eq!(fx.stat("read_audit_questions").await - questions, 1);
     assert_eq!(fx.checks_done().await - checks, 1, "the read is checked");
     locker.batch_execute("ROLLBACK").await.unwrap();
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // The failure came 300 ms after the question; reads are checked for a second after it.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     let (checks, questions) = (
         fx.checks_done().await,
         fx.stat("read_audit_questions").await,
@@ -2258,6 +2259,35 @@ async fn a_question_that_timed_out_is_asked_again() {
     assert!(
         checked <= asked,
         "{checked} of 20 reads checked after the question got through ({asked} asked)"
+    );
+}
+
+/// While a lock holds the read audit's question up, a session does not ask again at every
+/// statement: each question waits out its `lock_timeout` (1 s), so a failure counts from
+/// when it came, and the wait before the next question doubles. Over 3.5 s of statements
+/// behind the lock, the session asks at 0 s, 2 s and then not before 5 s: two questions. It
+/// asked four times, each statement behind one waiting a second, when a failed question
+/// counted from when it was sent (and so was out of date as it failed).
+#[tokio::test]
+async fn a_locked_audit_is_not_asked_about_at_every_statement() {
+    let fx = Fixture::start("", |c| {
+        c.admin.users = vec![SUPERUSER.into()];
+    })
+    .await;
+    let reader = fx.leader("question_locked", 34).await;
+    reader.simple("SELECT 1").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let locker = fx.lock_read_audit().await;
+    let questions = fx.stat("read_audit_questions").await;
+    let started = std::time::Instant::now();
+    while started.elapsed() < Duration::from_millis(3500) {
+        reader.simple("SELECT 1").await.unwrap();
+    }
+    let asked = fx.stat("read_audit_questions").await - questions;
+    locker.batch_execute("ROLLBACK").await.unwrap();
+    assert!(
+        (1..=2).contains(&asked),
+        "{asked} questions in 3.5 s behind the lock"
     );
 }
 

@@ -642,6 +642,9 @@ pub(crate) struct Session {
     verdict: read_audit::Verdict,
     /// `fence.read_audit_max_age` when the session started.
     read_audit_max_age: std::time::Duration,
+    /// Questions in a row that failed in a way that passes (see `read_audit::PASSING`):
+    /// each waits twice as long as the one before to be asked again.
+    read_audit_failures: u32,
     /// A Parse, Bind, Describe, Execute or Close was sent since the client's last sync point:
     /// nothing of pgfence's own may run in between.
     batch_open: bool,
@@ -731,6 +734,7 @@ impl Session {
             read_audit_answer: read_audit::Answer::None,
             verdict: read_audit::Verdict::Fixed,
             read_audit_max_age: config.fence.read_audit_max_age,
+            read_audit_failures: 0,
             batch_open: false,
             unnamed_statement_alive: false,
             handled_again: false,

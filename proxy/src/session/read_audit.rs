@@ -26,10 +26,11 @@
 //! there) or the user may not call the function (nor then the check), reads are skipped as
 //! the classifier says, with a WARN. A failure that passes (a cancel, a `statement_timeout`,
 //! a lock timeout, a serialization failure or deadlock) leaves the answer unknown for
-//! `read_audit_max_age`: the session checks reads and then asks again. Any other failure
-//! leaves it unknown for the session, which checks reads to its end. A database without
-//! the schema or the function is not asked again for a minute (`state::READ_AUDIT_RETRY`):
-//! each question would log an error on the server.
+//! `read_audit_max_age` (at least a second) from when it came, doubled for each such
+//! failure in a row up to a minute: the session checks reads and then asks again. Any
+//! other failure leaves it unknown for the session, which checks reads to its end. A
+//! database without the schema or the function is not asked again for a minute
+//! (`state::READ_AUDIT_RETRY`): each question would log an error on the server.
 
 use std::time::Instant;
 
@@ -168,21 +169,28 @@ impl Session {
         }
         if let Answer::Failed(code, message) = &answer {
             if PASSING.contains(&code.as_str()) {
-                // Reads checked until the question, asked again, gets through.
+                // Reads checked until the question, asked again, gets through. Counted from
+                // the failure, not the question: one that waited out its `lock_timeout`
+                // would be out of date at once, and every statement behind the lock would
+                // wait a second for the next question.
                 self.tx.check_reads = true;
+                let wait = self.read_audit_retry_after_failure();
                 self.verdict = Verdict::Known {
                     learnt: asked_at,
-                    expires: self.read_audit_expiry(asked_at),
+                    expires: coarse_now()
+                        .saturating_add(u64::try_from(wait.as_nanos()).unwrap_or(u64::MAX)),
                 };
                 debug!(
                     database = %self.database,
                     sqlstate = %code,
                     error = %message,
+                    retry_in = ?wait,
                     "the read audit's question failed: reads are checked until it is asked again"
                 );
                 return;
             }
         }
+        self.read_audit_failures = 0;
         if again && !verdict && !missing {
             // Answered at the start, not now: the session's role may have changed (`SET
             // ROLE` to one without EXECUTE), or its settings (a `statement_timeout`), or
@@ -362,6 +370,18 @@ impl Session {
             }
         }
         self.read_audit_due(may_ask);
+    }
+
+    /// How long reads are checked before the question is asked again, after it failed in a
+    /// way that passes: `read_audit_max_age` (at least a second), doubled for each such
+    /// failure in a row, up to `state::READ_AUDIT_RETRY`.
+    fn read_audit_retry_after_failure(&mut self) -> std::time::Duration {
+        let base = self
+            .read_audit_max_age
+            .max(std::time::Duration::from_secs(1));
+        let doublings = self.read_audit_failures.min(6);
+        self.read_audit_failures = self.read_audit_failures.saturating_add(1);
+        (base * (1 << doublings)).min(crate::state::READ_AUDIT_RETRY)
     }
 
     /// When an answer to a question sent at `asked_at` is out of date, on the coarse clock.
