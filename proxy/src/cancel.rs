@@ -81,6 +81,11 @@ impl InFlight {
         self.question.swap(QUIET, Ordering::AcqRel) == ASKING_CANCELLED
     }
 
+    /// A client's cancel waits for the question's answer.
+    pub fn cancel_held(&self) -> bool {
+        self.question.load(Ordering::Acquire) == ASKING_CANCELLED
+    }
+
     /// A client's cancel came: true when the session is asking its question, which then
     /// forwards the cancel once answered (two cancels then make one, as two signals before
     /// the backend handles one do); false when it must be forwarded now.

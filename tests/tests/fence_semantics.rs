@@ -2334,6 +2334,52 @@ async fn a_cancel_during_the_question_cancels_the_clients_statement() {
     reader.simple("SELECT 1").await.unwrap();
 }
 
+/// The same when the client leaves right after its cancel (a client that gives up on a
+/// statement: cancel, then close): the held cancel still reaches the statement, which
+/// directly would be cancelled and commit nothing. The session stays until the question is
+/// answered and the cancel forwarded; before, the `INSERT` behind the question committed.
+#[tokio::test]
+async fn a_cancel_held_for_the_question_outlives_its_client() {
+    let fx = Fixture::start("CREATE TABLE cl (tag text);", |_| {}).await;
+    let mut conn = RawConn::connect(fx.proxy.addr());
+    conn.send(&wire::startup_version(
+        wire::PROTOCOL_3_0,
+        &[
+            ("user", SUPERUSER.as_bytes()),
+            ("database", APP_DB.as_bytes()),
+            (
+                "options",
+                b"-c fencing.token=34 -c fencing.resource=cancel_left",
+            ),
+        ],
+    ));
+    let login = conn.until_ready();
+    let key = login
+        .iter()
+        .find(|m| m.tag == b'K')
+        .map(|m| m.body.clone())
+        .expect("BackendKeyData");
+    let pid = i32::from_be_bytes([key[0], key[1], key[2], key[3]]);
+    let secret = i32::from_be_bytes([key[4], key[5], key[6], key[7]]);
+    conn.send(&wire::query("SELECT 1"));
+    conn.until_ready();
+    // The answer is out of date: the question goes before the INSERT, and waits.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let locker = fx.lock_read_audit().await;
+    conn.send(&wire::query("INSERT INTO cl SELECT 'x' FROM pg_sleep(3)"));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut cancel = RawConn::connect(fx.proxy.addr());
+    cancel.send(&wire::cancel_request(pid, secret));
+    cancel.read_to_end();
+    conn.send(&wire::terminate());
+    drop(conn);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    locker.batch_execute("ROLLBACK").await.unwrap();
+    // pg_sleep(3) would have ended by now.
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    assert_eq!(fx.count("cl").await, 0, "the cancelled INSERT committed");
+}
+
 /// The SQLSTATE of the first error among `msgs`, if any.
 fn first_error(msgs: &[Msg]) -> Option<String> {
     msgs.iter().find(|m| m.tag == b'E').and_then(Msg::sqlstate)

@@ -794,7 +794,10 @@ impl Session {
                     Err(e) => return Err(self.fail(&mut cw, e).await),
                 }
             }
-            if !client_open && self.to_server.is_empty() {
+            // A cancel the client sent before it left waits for the read audit's question:
+            // the session stays until the answer forwards it, so that the statement behind
+            // the question is cancelled (and does not commit), as directly.
+            if !client_open && self.to_server.is_empty() && !cancels.cancel_held() {
                 // Part of a message the client never finished: not a clean goodbye.
                 self.client_left_mid_message = !cbuf.is_empty();
                 return Ok(());
