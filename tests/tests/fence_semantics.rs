@@ -2380,6 +2380,106 @@ async fn a_cancel_held_for_the_question_outlives_its_client() {
     assert_eq!(fx.count("cl").await, 0, "the cancelled INSERT committed");
 }
 
+/// Writers a Bind can run with no Execute after it: `bw_imm` is declared `IMMUTABLE` (the
+/// planner folds it at Bind) and calls a writer; `bw_dom`'s `CHECK` calls one when a
+/// parameter is converted to it.
+const BIND_WRITERS: &str = "CREATE TABLE bw (tag text);
+     CREATE FUNCTION bw_w(t text) RETURNS int LANGUAGE plpgsql
+         AS $$ BEGIN INSERT INTO bw VALUES (t); RETURN 1; END $$;
+     CREATE FUNCTION bw_imm(t text) RETURNS int LANGUAGE plpgsql IMMUTABLE
+         AS $$ BEGIN PERFORM bw_w(t); RETURN 1; END $$;
+     CREATE DOMAIN bw_dom AS text CHECK (bw_w(VALUE) = 1);";
+
+/// A Bind writes, directly, when its planning or its parameters run a writer: Parse, Bind,
+/// Sync with no Execute commits a row. Through pgfence a stale session's such batch is
+/// checked at its Sync (FN001, nothing written), and so is one pipelined behind a batch
+/// whose `BEGIN` never ran, or ended by a Query rather than a Sync. (An adversarial review
+/// found all three committing: the first two since before stop 51, the last two after a
+/// change that gave a Sync no check when its batch executed nothing.)
+#[tokio::test]
+async fn a_bind_that_writes_is_checked() {
+    let fx = Fixture::start(BIND_WRITERS, |c| c.fence.fast_path = false).await;
+    fx.leader("bw", 34)
+        .await
+        .simple("INSERT INTO bw VALUES ('leader 34')")
+        .await
+        .unwrap();
+    let stale = "-c fencing.token=33 -c fencing.resource=bw";
+    let bind_alone = |statement: &str, sql: &str, param: Option<&str>| {
+        [
+            wire::parse(statement, sql, &[]),
+            wire::bind("", statement, &[param.map(str::as_bytes)]),
+            wire::sync(),
+        ]
+        .concat()
+    };
+    let mut direct = fx.raw_direct();
+    direct.send(&bind_alone("d", "SELECT $1::bw_dom", Some("direct")));
+    direct.until_ready();
+    assert_eq!(
+        fx.count("bw WHERE tag = 'direct'").await,
+        1,
+        "a Bind writes"
+    );
+
+    let mut conn = fx.raw_session(stale);
+    conn.send(&bind_alone("d", "SELECT $1::bw_dom", Some("domain")));
+    assert_eq!(first_error(&conn.until_ready()).as_deref(), Some("FN001"));
+    let folded = [
+        wire::parse("i", "SELECT bw_imm('folded')", &[]),
+        wire::bind("", "i", &[]),
+        wire::sync(),
+    ]
+    .concat();
+    conn.send(&folded);
+    assert_eq!(first_error(&conn.until_ready()).as_deref(), Some("FN001"));
+
+    // Behind a batch whose BEGIN an error skipped (pgfence cannot tell, and has no check
+    // at that Sync), all in one write.
+    let failed_begin = [
+        wire::parse("", "SELECT 1/0", &[]),
+        wire::bind("", "", &[]),
+        wire::execute("", 0),
+        wire::parse("", "BEGIN", &[]),
+        wire::bind("", "", &[]),
+        wire::execute("", 0),
+        wire::sync(),
+    ]
+    .concat();
+    let mut conn = fx.raw_session(stale);
+    conn.send(
+        &[
+            failed_begin.clone(),
+            wire::parse("", "SELECT bw_imm('behind')", &[]),
+            wire::bind("", "", &[]),
+            wire::sync(),
+        ]
+        .concat(),
+    );
+    conn.until_ready();
+    assert_eq!(first_error(&conn.until_ready()).as_deref(), Some("FN001"));
+    let mut conn = fx.raw_session(stale);
+    conn.send(
+        &[
+            failed_begin,
+            wire::parse("", "SELECT bw_imm('query')", &[]),
+            wire::bind("", "", &[]),
+            wire::query("SET LOCAL work_mem = '2MB'"),
+            wire::sync(),
+        ]
+        .concat(),
+    );
+    conn.until_ready();
+    conn.until_ready();
+    conn.until_ready();
+    assert_eq!(
+        fx.count("bw WHERE tag <> 'leader 34' AND tag <> 'direct'")
+            .await,
+        0,
+        "a stale Bind's write committed"
+    );
+}
+
 /// The SQLSTATE of the first error among `msgs`, if any.
 fn first_error(msgs: &[Msg]) -> Option<String> {
     msgs.iter().find(|m| m.tag == b'E').and_then(Msg::sqlstate)

@@ -247,6 +247,22 @@ impl Session {
         {
             return Ok(self.hold_until_answered());
         }
+        if self.fence.enabled {
+            let clean = !self.tx.dirty;
+            self.tx.on_bind(prepared.as_ref().map(|p| {
+                p.analysis
+                    .statements
+                    .first()
+                    .map_or(StatementKind::Empty, |s| s.kind)
+            }));
+            if clean && self.tx.dirty {
+                // The statement a rejection log names, as its Execute would (a checked
+                // read is named only while the transaction is clean).
+                if let Some(p) = &prepared {
+                    self.last_write = Some(Remembered::Prepared(p.clone()));
+                }
+            }
+        }
         let before = if portal.is_empty() {
             std::mem::replace(&mut self.unnamed_portal, prepared)
         } else if let Some(p) = prepared {

@@ -33,6 +33,9 @@ pub struct TxState {
     /// An Execute was sent since the last Sync (the extended protocol's implicit
     /// transaction may already hold writes).
     pub batch_has_execute: bool,
+    /// A Bind was sent since the last sync point: it may have run code (planning folds
+    /// `IMMUTABLE` calls, a domain parameter's `CHECK` runs), and written.
+    pub batch_has_bind: bool,
     /// An Execute since the last Sync ran a statement after which PostgreSQL refuses one
     /// that cannot run in a transaction block "within a pipeline" (its
     /// `XACT_FLAGS_PIPELINING`): any but an empty statement or transaction control, which
@@ -83,6 +86,7 @@ impl TxState {
             dirty: false,
             directives: Vec::new(),
             batch_has_execute: false,
+            batch_has_bind: false,
             batch_pipelined: false,
             batch_begun: false,
             check_reads,
@@ -109,6 +113,20 @@ impl TxState {
         if self.audited {
             self.check_reads = true;
             self.schema_changed = true;
+        }
+    }
+
+    /// A Bind of a statement of this kind (`None`: one pgfence does not know) is being
+    /// sent. Binding plans the statement, which runs the `IMMUTABLE` functions it calls
+    /// with constant arguments, and converts its parameters, which runs a domain's `CHECK`:
+    /// either may call a function that writes, with no Execute after it. The transaction
+    /// is written as by an Execute of the statement, so the batch's Sync is checked.
+    pub fn on_bind(&mut self, kind: Option<StatementKind>) {
+        self.batch_has_bind = true;
+        match kind {
+            Some(StatementKind::MayWrite) | None => self.dirty = true,
+            Some(StatementKind::ReadOnly) => self.dirty |= self.check_reads,
+            Some(_) => {}
         }
     }
 
@@ -139,6 +157,7 @@ impl TxState {
     /// A sync point (Sync, Query, FunctionCall) ends the batch's implicit transaction.
     pub fn end_batch(&mut self) {
         self.batch_has_execute = false;
+        self.batch_has_bind = false;
         self.batch_pipelined = false;
     }
 
@@ -228,12 +247,13 @@ impl TxState {
     /// (which holds what the batch wrote before it too) goes on past the Sync, to a COMMIT
     /// that is checked; or an error skipped it, and the Sync rolls back. A check there would
     /// run in the block, where `SET TRANSACTION ISOLATION LEVEL` must come first. Nor when
-    /// the batch executed nothing: every sync point ends the implicit transaction, so what
-    /// the session wrote before it and is still unchecked is in a block (or was rolled
-    /// back), and Parse, Bind, Describe and Close write nothing.
+    /// the batch bound and executed nothing: every sync point ends the implicit
+    /// transaction, so what the session wrote before it and is still unchecked is in a
+    /// block (or was rolled back), and Parse, Describe and Close run no code of the
+    /// database's. (A Bind may: see [`TxState::on_bind`].)
     pub fn sync_needs_check(&self) -> bool {
         self.dirty
-            && self.batch_has_execute
+            && (self.batch_has_execute || self.batch_has_bind)
             && !self.batch_begun
             && !matches!(self.view, View::InBlock | View::Failed)
     }
@@ -249,7 +269,11 @@ impl TxState {
             _ => View::Idle,
         };
         if self.view == View::Idle {
+            // A Bind sent after the sync point this answers may have written already, in
+            // the transaction it started (see `on_bind`): that stays to be checked.
+            let bound = self.batch_has_bind && self.dirty;
             self.end();
+            self.dirty = bound;
         }
     }
 
