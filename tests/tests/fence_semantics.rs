@@ -2262,6 +2262,19 @@ async fn a_question_that_timed_out_is_asked_again() {
     );
 }
 
+/// A fixture whose console counts the read audit's questions, and a leader of `resource`
+/// whose answer is out of date: its next statement goes behind a question.
+async fn reader_due_to_ask(resource: &str) -> (Fixture, Session) {
+    let fx = Fixture::start("", |c| {
+        c.admin.users = vec![SUPERUSER.into()];
+    })
+    .await;
+    let reader = fx.leader(resource, 34).await;
+    reader.simple("SELECT 1").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    (fx, reader)
+}
+
 /// While a lock holds the read audit's question up, a session does not ask again at every
 /// statement: each question waits out its `lock_timeout` (1 s), so a failure counts from
 /// when it came, and the wait before the next question doubles. Over 3.5 s of statements
@@ -2270,13 +2283,7 @@ async fn a_question_that_timed_out_is_asked_again() {
 /// counted from when it was sent (and so was out of date as it failed).
 #[tokio::test]
 async fn a_locked_audit_is_not_asked_about_at_every_statement() {
-    let fx = Fixture::start("", |c| {
-        c.admin.users = vec![SUPERUSER.into()];
-    })
-    .await;
-    let reader = fx.leader("question_locked", 34).await;
-    reader.simple("SELECT 1").await.unwrap();
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let (fx, reader) = reader_due_to_ask("question_locked").await;
     let locker = fx.lock_read_audit().await;
     let questions = fx.stat("read_audit_questions").await;
     let started = std::time::Instant::now();
@@ -2299,15 +2306,8 @@ async fn a_locked_audit_is_not_asked_about_at_every_statement() {
 /// statement ran to its end.
 #[tokio::test]
 async fn a_cancel_during_the_question_cancels_the_clients_statement() {
-    let fx = Fixture::start("", |c| {
-        c.admin.users = vec![SUPERUSER.into()];
-    })
-    .await;
-    let reader = fx.leader("question_cancel", 34).await;
-    reader.simple("SELECT 1").await.unwrap();
+    let (fx, reader) = reader_due_to_ask("question_cancel").await;
     let locker = fx.lock_read_audit().await;
-    // The answer is out of date: the question goes before the next statement.
-    tokio::time::sleep(Duration::from_millis(1200)).await;
     let questions = fx.stat("read_audit_questions").await;
     let token = reader.client.cancel_token();
     let canceller = tokio::spawn(async move {
