@@ -2480,6 +2480,56 @@ async fn a_bind_that_writes_is_checked() {
     );
 }
 
+/// A `VACUUM` Query inside a batch, behind an Executed `COMMIT` of it and a Bind that
+/// writes: PostgreSQL commits what the Bind wrote before it runs the `VACUUM`. pgfence
+/// learns the state with a Sync of its own there; that Sync is checked, so a stale
+/// session's write does not commit (it did, with a Sync of pgfence's and no check).
+#[tokio::test]
+async fn a_bind_before_a_vacuum_is_checked() {
+    let fx = Fixture::start(BIND_WRITERS, |c| c.fence.fast_path = false).await;
+    fx.leader("bw", 34)
+        .await
+        .simple("INSERT INTO bw VALUES ('leader 34')")
+        .await
+        .unwrap();
+    let batch = |tag: &str| {
+        [
+            wire::parse("", "COMMIT", &[]),
+            wire::bind("", "", &[]),
+            wire::execute("", 0),
+            wire::parse("d", "SELECT $1::bw_dom", &[]),
+            wire::bind("", "d", &[Some(tag.as_bytes())]),
+            wire::query("VACUUM bw"),
+            wire::sync(),
+        ]
+        .concat()
+    };
+    let mut direct = fx.raw_direct();
+    direct.send(&batch("direct"));
+    let replies = direct.until_ready();
+    assert_eq!(first_error(&replies), None, "{replies:?}");
+    direct.until_ready();
+    assert_eq!(
+        fx.count("bw WHERE tag = 'direct'").await,
+        1,
+        "the VACUUM commits what the Bind wrote"
+    );
+
+    // The stale session's is rejected; the current leader's goes through, VACUUM and all.
+    for (token, error, rows) in [(33, Some("FN001"), 0), (34, None, 1)] {
+        let mut conn = fx.raw_session(&format!("-c fencing.token={token} -c fencing.resource=bw"));
+        conn.send(&batch(&format!("token {token}")));
+        let replies = conn.until_ready();
+        assert_eq!(first_error(&replies).as_deref(), error, "{replies:?}");
+        conn.until_ready();
+        assert_eq!(
+            fx.count(&format!("bw WHERE tag = 'token {token}'")).await,
+            rows,
+            "token {token}: the Bind's write before the VACUUM"
+        );
+    }
+}
+
 /// The SQLSTATE of the first error among `msgs`, if any.
 fn first_error(msgs: &[Msg]) -> Option<String> {
     msgs.iter().find(|m| m.tag == b'E').and_then(Msg::sqlstate)

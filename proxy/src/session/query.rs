@@ -277,7 +277,18 @@ impl Session {
                 // Once they are all in, a Sync of pgfence's tells whether a block is open
                 // (it ends only a transaction that has run nothing), and the statement is
                 // handled again: checked first on its own when none is.
-                if self.replies.is_empty() {
+                if self.replies.is_empty() && self.tx.sync_needs_check() {
+                    // A Bind since the COMMIT may have written (see `TxState::on_bind`),
+                    // in the transaction that Sync would commit, as PostgreSQL commits it
+                    // before the statement: checked there, with the statement's own
+                    // directives, and held for the answer as a check before it on its own
+                    // is. If a block is open, the check runs in it and the statement fails
+                    // there as it would.
+                    self.commit_check = CommitCheck::None;
+                    self.tx.add_directives(&analysis.directives);
+                    self.inject_check_with_sync(true, AfterCheck::Release);
+                    self.tx.end_batch();
+                } else if self.replies.is_empty() {
                     // Every reply came without an error (else the client's messages would
                     // go to the server as they are, up to its Sync): a check before a
                     // COMMIT of the batch passed, and the COMMIT ran.
