@@ -2530,6 +2530,60 @@ async fn a_bind_before_a_vacuum_is_checked() {
     }
 }
 
+/// A Query that the fast path rejects, sent inside an extended-protocol batch whose replies
+/// are all in (the client flushed): PostgreSQL runs the Query in the batch's implicit
+/// transaction, so its failure rolls back what the batch wrote, and the Sync after it
+/// commits nothing. pgfence's rejection must leave the server in that state too: before, it
+/// answered the Query itself, and the client's Sync then committed the batch's row, which
+/// the client had been told was rolled back.
+#[tokio::test]
+async fn a_fast_path_rejection_inside_a_batch_rolls_it_back() {
+    let fx = Fixture::start("CREATE TABLE fb (tag text);", |_| {}).await;
+    // The fast path learns the fence from the leader's write through pgfence.
+    fx.leader("fb", 34)
+        .await
+        .simple("INSERT INTO fb VALUES ('leader 34')")
+        .await
+        .unwrap();
+    let batch = [
+        wire::parse("w", "INSERT INTO fb VALUES ('batch')", &[]),
+        wire::bind("", "w", &[]),
+        wire::execute("", 0),
+        wire::flush(),
+    ]
+    .concat();
+    // Directly, any Query that fails there rolls the batch back.
+    let mut direct = fx.raw_direct();
+    direct.send(&batch);
+    direct.until(|m| m.tag == b'C');
+    direct.send(&wire::query("SELECT 1/0"));
+    assert_eq!(first_error(&direct.until_ready()).as_deref(), Some("22012"));
+    direct.send(&wire::sync());
+    direct.until_ready();
+    assert_eq!(fx.count("fb WHERE tag = 'batch'").await, 0);
+
+    let mut conn = fx.raw_session("");
+    conn.send(&batch);
+    conn.until(|m| m.tag == b'C');
+    conn.send(&wire::query(
+        "/* fencing_token=33 fencing_resource=fb */ INSERT INTO fb VALUES ('query')",
+    ));
+    let replies = conn.until_ready();
+    assert_eq!(
+        first_error(&replies).as_deref(),
+        Some("FN001"),
+        "{replies:?}"
+    );
+    conn.send(&wire::sync());
+    let replies = conn.until_ready();
+    assert_eq!(first_error(&replies), None, "{replies:?}");
+    assert_eq!(
+        fx.count("fb WHERE tag <> 'leader 34'").await,
+        0,
+        "the rejected Query's batch committed"
+    );
+}
+
 /// The SQLSTATE of the first error among `msgs`, if any.
 fn first_error(msgs: &[Msg]) -> Option<String> {
     msgs.iter().find(|m| m.tag == b'E').and_then(Msg::sqlstate)

@@ -448,12 +448,15 @@ impl Session {
         let rejection = fence_core::rejection::Rejection::stale(&resource, token, fence);
         if self.tx.view == View::Idle
             && self.replies.is_empty()
+            && !self.tx.batch_has_execute
+            && !self.tx.batch_has_bind
             && !analysis.tx_control()
             && !self.unnamed_statement_alive
         {
-            // Nothing open upstream: answer without a round trip. (Not while the client has
-            // an unnamed statement: PostgreSQL drops it at any Query, and the rejection
-            // upstream below does so too.)
+            // Nothing open upstream: answer without a round trip. (Not inside a batch whose
+            // replies are in: the failing Query rolls back what its Executes and Binds
+            // wrote, and the rejection upstream below does so too. Not while the client
+            // has an unnamed statement: PostgreSQL drops it at any Query.)
             self.report_rejection(&rejection, "fast", None);
             msg::error_response(
                 &mut self.to_client,
