@@ -20,7 +20,9 @@
 //! A cancel that comes while the session's read audit asks its question (see
 //! `session::read_audit`) would cancel the question, not the client's statement sent behind
 //! it, and the statement would run on. It is held until the question is answered, and the
-//! session then forwards it ([`InFlight::defer_while_asking`]).
+//! session then forwards it ([`InFlight::defer_while_asking`]). The client's cancel
+//! connection stays open until then ([`InFlight::forwarded`]), as PostgreSQL's stays until
+//! the backend is signalled.
 
 use std::fmt;
 use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
@@ -75,10 +77,35 @@ impl InFlight {
         self.question.store(ASKING, Ordering::Release);
     }
 
-    /// The question is answered: whether a cancel came meanwhile, which the session
-    /// forwards now.
-    pub fn answered(&self) -> bool {
-        self.question.swap(QUIET, Ordering::AcqRel) == ASKING_CANCELLED
+    /// The question is answered: a cancel that came meanwhile, which the session forwards
+    /// now ([`forward_counted`]), counted as in flight already, so that the client's cancel
+    /// connection waiting in [`InFlight::forwarded`] does not take the answer for the end.
+    pub fn answered(self: &Arc<Self>) -> Option<Counted> {
+        let counted = self.start();
+        (self.question.swap(QUIET, Ordering::AcqRel) == ASKING_CANCELLED).then_some(counted)
+    }
+
+    /// The session ends: a cancel held for its question is dropped (nothing is left to
+    /// cancel), and the client's cancel connection waiting for it is let go.
+    pub fn abandon(&self) {
+        if self.question.swap(QUIET, Ordering::AcqRel) == ASKING_CANCELLED {
+            self.settled.notify_waiters();
+        }
+    }
+
+    /// Ready when no cancel is held for the question, and none is being forwarded: a cancel
+    /// held when this is called has been forwarded, and its server has taken it (or the
+    /// session ended).
+    pub async fn forwarded(&self) {
+        loop {
+            let notified = self.settled.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if !self.cancel_held() && !self.busy() {
+                return;
+            }
+            notified.await;
+        }
     }
 
     /// A client's cancel waits for the question's answer.
@@ -102,9 +129,9 @@ impl InFlight {
     }
 
     /// Counts one cancel until the guard is dropped.
-    fn start(self: &Arc<Self>) -> InFlightGuard {
+    fn start(self: &Arc<Self>) -> Counted {
         self.count.fetch_add(1, Ordering::AcqRel);
-        InFlightGuard(self.clone())
+        Counted(self.clone())
     }
 
     /// Ready when no cancel is being forwarded. Each forward ends within
@@ -123,9 +150,10 @@ impl InFlight {
 }
 
 /// One cancel being forwarded; dropped when it is done, failed or timed out.
-struct InFlightGuard(Arc<InFlight>);
+#[derive(Debug)]
+pub struct Counted(Arc<InFlight>);
 
-impl Drop for InFlightGuard {
+impl Drop for Counted {
     fn drop(&mut self) {
         if self.0.count.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.0.settled.notify_waiters();
@@ -208,14 +236,20 @@ pub fn forward(
     target: CancelTarget,
     limit: Duration,
 ) -> impl std::future::Future<Output = Result<(), String>> {
-    let counted = target.in_flight.start();
-    async move {
-        let _counted = counted;
-        match crate::deadline::timeout(limit, send_cancel(target)).await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(_) => Err(format!("timed out after {limit:?}")),
-        }
+    forward_counted(target.in_flight.start(), target, limit)
+}
+
+/// [`forward`], for a cancel counted as in flight already.
+pub async fn forward_counted(
+    counted: Counted,
+    target: CancelTarget,
+    limit: Duration,
+) -> Result<(), String> {
+    let _counted = counted;
+    match crate::deadline::timeout(limit, send_cancel(target)).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!("timed out after {limit:?}")),
     }
 }
 
@@ -409,27 +443,70 @@ mod tests {
     /// question or after its answer goes at once.
     #[test]
     fn a_cancel_waits_for_the_question() {
-        let in_flight = InFlight::default();
+        let in_flight = Arc::new(InFlight::default());
         assert!(
             !in_flight.defer_while_asking(),
             "no question: forwarded now"
         );
-        assert!(!in_flight.answered());
+        assert!(in_flight.answered().is_none());
         in_flight.asking();
         assert!(in_flight.defer_while_asking());
         assert!(
             in_flight.defer_while_asking(),
             "a second cancel joins the first"
         );
-        assert!(in_flight.answered(), "the session forwards it");
-        assert!(!in_flight.answered(), "once");
+        let counted = in_flight.answered();
+        assert!(counted.is_some(), "the session forwards it");
+        assert!(in_flight.busy(), "counted in flight from the answer");
+        drop(counted);
+        assert!(in_flight.answered().is_none(), "once");
+        assert!(!in_flight.busy());
         assert!(
             !in_flight.defer_while_asking(),
             "after the answer: forwarded now"
         );
         in_flight.asking();
-        assert!(!in_flight.answered(), "no cancel came");
+        assert!(in_flight.answered().is_none(), "no cancel came");
         assert!(!in_flight.defer_while_asking());
+    }
+
+    /// A task waiting in [`InFlight::forwarded`], a moment after it started.
+    async fn wait_forwarded(in_flight: &Arc<InFlight>) -> tokio::task::JoinHandle<()> {
+        let waiting = tokio::spawn({
+            let in_flight = in_flight.clone();
+            async move { in_flight.forwarded().await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        waiting
+    }
+
+    /// The client's connection for a held cancel waits until the session has forwarded it
+    /// and the server has taken it, or until the session ends.
+    #[tokio::test]
+    async fn a_held_cancels_connection_waits_for_its_forward() {
+        let in_flight = Arc::new(InFlight::default());
+        in_flight.asking();
+        assert!(in_flight.defer_while_asking());
+        let waiting = wait_forwarded(&in_flight).await;
+        assert!(!waiting.is_finished(), "the question is not answered yet");
+        let counted = in_flight.answered().expect("the held cancel");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!waiting.is_finished(), "answered, the cancel not taken yet");
+        drop(counted);
+        tokio::time::timeout(Duration::from_secs(10), waiting)
+            .await
+            .expect("done once the server took the cancel")
+            .unwrap();
+
+        in_flight.asking();
+        assert!(in_flight.defer_while_asking());
+        let waiting = wait_forwarded(&in_flight).await;
+        assert!(!waiting.is_finished());
+        in_flight.abandon();
+        tokio::time::timeout(Duration::from_secs(10), waiting)
+            .await
+            .expect("let go when the session ends")
+            .unwrap();
     }
 
     fn target(port: u16, pid: i32) -> CancelTarget {

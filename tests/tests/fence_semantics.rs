@@ -2338,6 +2338,8 @@ async fn a_cancel_during_the_question_cancels_the_clients_statement() {
 /// statement: cancel, then close): the held cancel still reaches the statement, which
 /// directly would be cancelled and commit nothing. The session stays until the question is
 /// answered and the cancel forwarded; before, the `INSERT` behind the question committed.
+/// The cancel's own connection stays open until then, as PostgreSQL keeps it until it has
+/// signalled the backend.
 #[tokio::test]
 async fn a_cancel_held_for_the_question_outlives_its_client() {
     let fx = Fixture::start("CREATE TABLE cl (tag text);", |_| {}).await;
@@ -2370,11 +2372,14 @@ async fn a_cancel_held_for_the_question_outlives_its_client() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let mut cancel = RawConn::connect(fx.proxy.addr());
     cancel.send(&wire::cancel_request(pid, secret));
-    cancel.read_to_end();
+    // The cancel connection stays open until the cancel reaches the server (libpq's
+    // PQcancel returns then), not while it is held.
+    cancel.expect_silence(Duration::from_millis(200));
     conn.send(&wire::terminate());
     drop(conn);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
     locker.batch_execute("ROLLBACK").await.unwrap();
+    cancel.read_to_end();
     // pg_sleep(3) would have ended by now.
     tokio::time::sleep(Duration::from_millis(3500)).await;
     assert_eq!(fx.count("cl").await, 0, "the cancelled INSERT committed");

@@ -1102,6 +1102,7 @@ impl Session {
     /// Cleans up shared state when the session ends (again when it is dropped, for a
     /// session that ends in a panic outside [`Session::guarded`]).
     fn finish(&mut self) {
+        self.cancels.abandon();
         if let Some((pid, key)) = self.client_key.take() {
             self.shared.cancel.unregister(pid, key);
         }

@@ -105,10 +105,23 @@ pub(super) async fn accept(
         Ok(Opening::Closed | Opening::Tls { .. }) => return Ok(None),
         Ok(Opening::Cancel { pid, key }) => {
             match shared.cancel.lookup(pid, key) {
-                Some(target) if target.in_flight.defer_while_asking() => debug!(
-                    backend_pid = target.pid,
-                    "cancel request held until the read audit's question is answered"
-                ),
+                Some(target) if target.in_flight.defer_while_asking() => {
+                    debug!(
+                        backend_pid = target.pid,
+                        "cancel request held until the read audit's question is answered"
+                    );
+                    // The client's connection closes when PostgreSQL would close it, once
+                    // the server has taken the cancel (the session forwards it), within
+                    // the limit of any forwarded cancel.
+                    let limit = config.limits.connect_timeout;
+                    let forwarded = target.in_flight.forwarded();
+                    if crate::deadline::timeout(limit, forwarded).await.is_err() {
+                        debug!(
+                            backend_pid = target.pid,
+                            "cancel connection closed before the held cancel was forwarded"
+                        );
+                    }
+                }
                 Some(target) => {
                     debug!(
                         backend_pid = target.pid,

@@ -455,9 +455,9 @@ impl Session {
     /// cancel the question (see `crate::cancel`), is forwarded now. It counts as in flight
     /// from here, so the client's next messages wait for it, as for any cancel.
     pub(super) fn question_answered(&self) {
-        if !self.cancels.answered() {
+        let Some(counted) = self.cancels.answered() else {
             return;
-        }
+        };
         let Some(target) = self
             .client_key
             .and_then(|(pid, key)| self.shared.cancel.lookup(pid, key))
@@ -468,7 +468,8 @@ impl Session {
             backend_pid = target.pid,
             "forwarding the cancel request held for the read audit's question"
         );
-        let forward = cancel::forward(target, self.shared.config().limits.connect_timeout);
+        let limit = self.shared.config().limits.connect_timeout;
+        let forward = cancel::forward_counted(counted, target, limit);
         tokio::spawn(async move {
             if let Err(e) = forward.await {
                 warn!(error = %e, "cannot forward cancel request to upstream");
