@@ -2395,6 +2395,18 @@ const BIND_WRITERS: &str = "CREATE TABLE bw (tag text);
          AS $$ BEGIN PERFORM bw_w(t); RETURN 1; END $$;
      CREATE DOMAIN bw_dom AS text CHECK (bw_w(VALUE) = 1);";
 
+/// A cluster with [`BIND_WRITERS`], the fast path off (the database check is under test),
+/// where the leader of resource `bw` wrote with token 34.
+async fn bind_writers_after_leader_34() -> Fixture {
+    let fx = Fixture::start(BIND_WRITERS, |c| c.fence.fast_path = false).await;
+    fx.leader("bw", 34)
+        .await
+        .simple("INSERT INTO bw VALUES ('leader 34')")
+        .await
+        .unwrap();
+    fx
+}
+
 /// A Bind writes, directly, when its planning or its parameters run a writer: Parse, Bind,
 /// Sync with no Execute commits a row. Through pgfence a stale session's such batch is
 /// checked at its Sync (FN001, nothing written), and so is one pipelined behind a batch
@@ -2403,12 +2415,7 @@ const BIND_WRITERS: &str = "CREATE TABLE bw (tag text);
 /// change that gave a Sync no check when its batch executed nothing.)
 #[tokio::test]
 async fn a_bind_that_writes_is_checked() {
-    let fx = Fixture::start(BIND_WRITERS, |c| c.fence.fast_path = false).await;
-    fx.leader("bw", 34)
-        .await
-        .simple("INSERT INTO bw VALUES ('leader 34')")
-        .await
-        .unwrap();
+    let fx = bind_writers_after_leader_34().await;
     let stale = "-c fencing.token=33 -c fencing.resource=bw";
     let bind_alone = |statement: &str, sql: &str, param: Option<&str>| {
         [
@@ -2485,18 +2492,93 @@ async fn a_bind_that_writes_is_checked() {
     );
 }
 
+/// A Bind converts every parameter value it carries, whatever its statement: a Parse may
+/// declare a domain type that the text never uses, even for `COMMIT`, `BEGIN` or an empty
+/// statement, and the domain's `CHECK` then runs at the Bind (directly, Parse, Bind, Sync
+/// commits a row). Through pgfence a stale session's such batch is checked at its Sync,
+/// also when a `VACUUM` Query ends it; and a comment token on a statement that is only
+/// bound applies to its transaction, as at its Execute. (An adversarial review found each
+/// committing: pgfence counted such Binds as writing nothing, and read a bound statement's
+/// comment only at its Execute.)
+#[tokio::test]
+async fn a_bind_of_any_statement_converts_its_parameters_under_the_fence() {
+    let fx = bind_writers_after_leader_34().await;
+    let dom: u32 = fx
+        .direct
+        .query_one("SELECT 'bw_dom'::regtype::oid", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let bind_alone = |sql: &str, tag: &str| {
+        [
+            wire::parse("d", sql, &[dom]),
+            wire::bind("", "d", &[Some(tag.as_bytes())]),
+            wire::sync(),
+        ]
+        .concat()
+    };
+    let mut direct = fx.raw_direct();
+    direct.send(&bind_alone("COMMIT", "direct"));
+    let replies = direct.until_ready();
+    assert_eq!(first_error(&replies), None, "{replies:?}");
+    assert_eq!(
+        fx.count("bw WHERE tag = 'direct'").await,
+        1,
+        "a Bind writes"
+    );
+
+    let stale = "-c fencing.token=33 -c fencing.resource=bw";
+    for sql in ["", "COMMIT", "BEGIN", "SAVEPOINT a", "DISCARD ALL"] {
+        let mut conn = fx.raw_session(stale);
+        conn.send(&bind_alone(sql, &format!("stale {sql}")));
+        let replies = conn.until_ready();
+        assert_eq!(
+            first_error(&replies).as_deref(),
+            Some("FN001"),
+            "{sql:?}: {replies:?}"
+        );
+    }
+    let mut conn = fx.raw_session(stale);
+    conn.send(
+        &[
+            wire::parse("", "COMMIT", &[]),
+            wire::bind("", "", &[]),
+            wire::execute("", 0),
+            wire::parse("d", "COMMIT", &[dom]),
+            wire::bind("", "d", &[Some(b"stale vacuum")]),
+            wire::query("VACUUM bw"),
+            wire::sync(),
+        ]
+        .concat(),
+    );
+    assert_eq!(first_error(&conn.until_ready()).as_deref(), Some("FN001"));
+    conn.until_ready();
+
+    // The current leader's session, but the bound statement's comment carries a stale
+    // token: it is that transaction's.
+    let commented = "/* fencing_token=33 fencing_resource=bw */ SELECT $1::bw_dom";
+    let mut conn = fx.raw_session("-c fencing.token=34 -c fencing.resource=bw");
+    conn.send(&bind_alone(commented, "stale comment"));
+    let replies = conn.until_ready();
+    assert_eq!(
+        first_error(&replies).as_deref(),
+        Some("FN001"),
+        "{replies:?}"
+    );
+    assert_eq!(
+        fx.count("bw WHERE tag LIKE 'stale%'").await,
+        0,
+        "a stale Bind's write committed"
+    );
+}
+
 /// A `VACUUM` Query inside a batch, behind an Executed `COMMIT` of it and a Bind that
 /// writes: PostgreSQL commits what the Bind wrote before it runs the `VACUUM`. pgfence
 /// learns the state with a Sync of its own there; that Sync is checked, so a stale
 /// session's write does not commit (it did, with a Sync of pgfence's and no check).
 #[tokio::test]
 async fn a_bind_before_a_vacuum_is_checked() {
-    let fx = Fixture::start(BIND_WRITERS, |c| c.fence.fast_path = false).await;
-    fx.leader("bw", 34)
-        .await
-        .simple("INSERT INTO bw VALUES ('leader 34')")
-        .await
-        .unwrap();
+    let fx = bind_writers_after_leader_34().await;
     let batch = |tag: &str| {
         [
             wire::parse("", "COMMIT", &[]),

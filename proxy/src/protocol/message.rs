@@ -88,7 +88,7 @@ pub fn well_formed(kind: Frontend, frame: &[u8]) -> bool {
             r.skip(4)
                 .and_then(|()| r.formats())
                 .and_then(|()| r.values())
-                .and_then(|()| r.skip(2))
+                .and_then(|_| r.skip(2))
                 .and_then(|()| r.end())
                 .is_some()
         }
@@ -150,9 +150,11 @@ impl<'a> Reader<'a> {
         self.skip(2 * n)
     }
 
-    /// A count of values, then each value's Int32 length (-1: NULL, no bytes) and bytes.
-    fn values(&mut self) -> Option<()> {
-        for _ in 0..self.count()? {
+    /// A count of values, then each value's Int32 length (-1: NULL, no bytes) and bytes;
+    /// the count.
+    fn values(&mut self) -> Option<usize> {
+        let n = self.count()?;
+        for _ in 0..n {
             let (len, rest) = self.0.split_first_chunk::<4>()?;
             self.0 = rest;
             let len = i32::from_be_bytes(*len);
@@ -160,7 +162,7 @@ impl<'a> Reader<'a> {
                 self.skip(usize::try_from(len).ok()?)?;
             }
         }
-        Some(())
+        Some(n)
     }
 
     /// Nothing may follow (PostgreSQL's `pq_getmsgend`).
@@ -265,17 +267,18 @@ pub fn parse_message(frame: &[u8]) -> Option<(&[u8], &[u8])> {
     Some((name, sql))
 }
 
-/// `(portal name, statement name)` of a Bind message, or `None` if malformed (its
-/// parameter formats, values and result formats are checked too, not read).
-pub fn bind_names(frame: &[u8]) -> Option<(&[u8], &[u8])> {
+/// `(portal name, statement name, number of parameter values)` of a Bind message, or
+/// `None` if malformed (its parameter formats, values and result formats are checked too,
+/// not read).
+pub fn bind_names(frame: &[u8]) -> Option<(&[u8], &[u8], usize)> {
     let mut r = Reader(body(frame));
     let portal = r.name()?;
     let statement = r.name()?;
     r.formats()?;
-    r.values()?;
+    let params = r.values()?;
     r.formats()?;
     r.end()?;
-    Some((portal, statement))
+    Some((portal, statement, params))
 }
 
 /// `(kind, name)` of a Close or Describe message (kind `S`, statement, or `P`, portal, as

@@ -191,7 +191,7 @@ impl Session {
     }
 
     pub(super) fn on_bind(&mut self, frame: &[u8]) -> Result<Flow, SessionError> {
-        let Some((portal, statement)) = msg::bind_names(frame) else {
+        let Some((portal, statement, params)) = msg::bind_names(frame) else {
             return Err(SessionError::MalformedClientMessage("Bind"));
         };
         let mut prepared = self.statement(statement);
@@ -249,12 +249,20 @@ impl Session {
         }
         if self.fence.enabled {
             let clean = !self.tx.dirty;
-            self.tx.on_bind(prepared.as_ref().map(|p| {
-                p.analysis
-                    .statements
-                    .first()
-                    .map_or(StatementKind::Empty, |s| s.kind)
-            }));
+            self.tx.on_bind(
+                prepared.as_ref().map(|p| {
+                    p.analysis
+                        .statements
+                        .first()
+                        .map_or(StatementKind::Empty, |s| s.kind)
+                }),
+                params,
+            );
+            // The statement's comment directives belong to the transaction its Bind runs
+            // in (its Execute can only run there too), as they would at its Execute.
+            if let Some(p) = &prepared {
+                self.tx.add_directives(&p.analysis.directives);
+            }
             if clean && self.tx.dirty {
                 // The statement a rejection log names, as its Execute would (a checked
                 // read is named only while the transaction is clean).

@@ -116,17 +116,21 @@ impl TxState {
         }
     }
 
-    /// A Bind of a statement of this kind (`None`: one pgfence does not know) is being
-    /// sent. Binding plans the statement, which runs the `IMMUTABLE` functions it calls
-    /// with constant arguments, and converts its parameters, which runs a domain's `CHECK`:
-    /// either may call a function that writes, with no Execute after it. The transaction
-    /// is written as by an Execute of the statement, so the batch's Sync is checked.
-    pub fn on_bind(&mut self, kind: Option<StatementKind>) {
+    /// A Bind of a statement of this kind (`None`: one pgfence does not know), with
+    /// `params` parameter values, is being sent. Binding plans the statement, which runs
+    /// the `IMMUTABLE` functions it calls with constant arguments, and converts its
+    /// parameters, which runs a domain's `CHECK`: either may call a function that writes,
+    /// with no Execute after it. The transaction is written as by an Execute of the
+    /// statement, so the batch's Sync is checked. Whatever the statement, its parameters
+    /// are converted (a Parse may declare types its text never uses, even for `COMMIT` or
+    /// an empty statement): like a read, that is checked where reads are (the read audit
+    /// finds a domain whose `CHECK` calls a function).
+    pub fn on_bind(&mut self, kind: Option<StatementKind>, params: usize) {
         self.batch_has_bind = true;
         match kind {
             Some(StatementKind::MayWrite) | None => self.dirty = true,
             Some(StatementKind::ReadOnly) => self.dirty |= self.check_reads,
-            Some(_) => {}
+            Some(_) => self.dirty |= params != 0 && self.check_reads,
         }
     }
 
