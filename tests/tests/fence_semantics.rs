@@ -2565,6 +2565,29 @@ async fn a_bind_of_any_statement_converts_its_parameters_under_the_fence() {
         Some("FN001"),
         "{replies:?}"
     );
+    // The same Bind sent while the previous batch's ReadyForQuery is still to come, its
+    // Sync after that: the ReadyForQuery ends the previous transaction, not the Bind's.
+    let mut conn = fx.raw_session("-c fencing.token=34 -c fencing.resource=bw");
+    conn.send(
+        &[
+            wire::parse("", "SELECT 1", &[]),
+            wire::bind("", "", &[]),
+            wire::execute("", 0),
+            wire::sync(),
+            wire::parse("d", commented, &[dom]),
+            wire::bind("", "d", &[Some(b"stale comment later")]),
+        ]
+        .concat(),
+    );
+    conn.until_ready();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    conn.send(&wire::sync());
+    let replies = conn.until_ready();
+    assert_eq!(
+        first_error(&replies).as_deref(),
+        Some("FN001"),
+        "{replies:?}"
+    );
     assert_eq!(
         fx.count("bw WHERE tag LIKE 'stale%'").await,
         0,

@@ -182,7 +182,7 @@ impl Session {
         }
     }
 
-    fn portal(&self, name: &[u8]) -> Option<Arc<Prepared>> {
+    pub(super) fn portal(&self, name: &[u8]) -> Option<Arc<Prepared>> {
         if name.is_empty() {
             self.unnamed_portal.clone()
         } else {

@@ -229,6 +229,15 @@ impl Replies {
         });
     }
 
+    /// The client's Binds in flight, in the order sent: the portal each names (`None`: the
+    /// unnamed one) and what that portal stood for before it.
+    pub fn client_binds(&self) -> impl Iterator<Item = (Option<&[u8]>, Option<&Arc<Prepared>>)> {
+        self.queue
+            .iter()
+            .filter(|p| p.request == Request::Bind && p.origin == Origin::Client)
+            .map(|p| (p.name.as_deref(), p.before.as_ref()))
+    }
+
     /// Whether a Bind of statement `name` (empty: the unnamed one) sent now may run
     /// something else than pgfence thinks: the client's last Parse or Close of that name in
     /// flight is in an earlier batch (a Query, Sync or FunctionCall went after it), and the

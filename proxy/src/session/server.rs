@@ -571,6 +571,27 @@ impl Session {
         }
     }
 
+    /// A ReadyForQuery ended the transaction before the client's Binds still in flight (the
+    /// start of the next batch): their statements' comment directives, which the ended
+    /// transaction's went with, belong to the transaction they run in, which goes on (see
+    /// `TxState::on_ready`). Each Bind bound what the next Bind of its portal found there,
+    /// the last one what the portal holds now.
+    #[cold]
+    fn keep_bound_directives(&mut self) {
+        let binds: Vec<_> = self.replies.client_binds().collect();
+        let mut bound = Vec::with_capacity(binds.len());
+        for (i, (portal, _)) in binds.iter().enumerate() {
+            let statement = match binds[i + 1..].iter().find(|(next, _)| next == portal) {
+                Some((_, before)) => before.cloned(),
+                None => self.portal(portal.unwrap_or_default()),
+            };
+            bound.extend(statement);
+        }
+        for statement in bound {
+            self.tx.add_directives(&statement.analysis.directives);
+        }
+    }
+
     /// Resets the check's per-backend hint after a prepared transaction (see
     /// `FenceSettings::hint_outlives_prepare`), once the session is idle with nothing in
     /// flight: in a transaction of its own, before anything the client sends next. In the
@@ -678,6 +699,9 @@ impl Session {
             self.settle_accepted(status == b'I');
         }
         self.tx.on_ready(status, state_settled);
+        if state_settled && status == b'I' && self.tx.batch_has_bind {
+            self.keep_bound_directives();
+        }
         self.release_held_complete();
         if settled {
             match self.commit_check {
