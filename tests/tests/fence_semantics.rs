@@ -4700,3 +4700,68 @@ async fn a_prepared_transaction_rolled_back_leaves_the_session_writable() {
     assert_eq!(fx.count("prep_rb WHERE tag LIKE '%prepared _'").await, 0);
     assert_eq!(fx.count("prep_rb").await, 6);
 }
+
+/// A portal pgfence does not know may run a `CALL` that commits inside: here the name of a
+/// `CALL` parsed in the extended protocol is one that a later SQL `PREPARE` tried to take
+/// (it failed, but pgfence cannot tell from the text, and forgets the name). The Execute of
+/// such a portal, outside a block, gets the forced check a `CALL` gets: before, a check
+/// that passes while the transaction has written nothing went before it, and the `CALL`'s
+/// own `COMMIT` committed a stale session's write. Found by `random_stale` seed 116012;
+/// older than stop 51.
+#[tokio::test]
+async fn a_portal_pgfence_does_not_know_is_checked_as_a_call() {
+    let fx = Fixture::start(
+        "CREATE TABLE cr (id int PRIMARY KEY, v int);
+         INSERT INTO cr VALUES (2, 0);
+         CREATE PROCEDURE cp(k int) LANGUAGE plpgsql AS $$ BEGIN
+             UPDATE cr SET v = v + 1 WHERE id = k;
+             COMMIT;
+             UPDATE cr SET v = v + 1 WHERE id = k;
+         END $$;",
+        |c| c.fence.fast_path = false,
+    )
+    .await;
+    fx.leader("cr", 34)
+        .await
+        .simple("UPDATE cr SET v = v WHERE id = 2")
+        .await
+        .unwrap();
+    let steps = [
+        [wire::parse("a", "CALL cp(2)", &[]), wire::sync()].concat(),
+        wire::query("PREPARE a AS INSERT INTO cr VALUES (1, 0)"),
+        [
+            wire::parse("", "SELECT 1", &[]),
+            wire::bind("", "", &[]),
+            wire::execute("", 0),
+            wire::bind("p", "a", &[]),
+            wire::execute("p", 0),
+            wire::sync(),
+        ]
+        .concat(),
+    ];
+    let run = |conn: &mut RawConn| -> Vec<Vec<Msg>> {
+        steps
+            .iter()
+            .map(|step| {
+                conn.send(step);
+                conn.until_ready()
+            })
+            .collect()
+    };
+    let direct = run(&mut fx.raw_direct());
+    assert_eq!(fx.count("cr WHERE v = 2").await, 1, "directly the CALL ran");
+    let current = run(&mut fx.raw_session("-c fencing.token=34 -c fencing.resource=cr"));
+    assert_eq!(current, direct, "the current leader's session as directly");
+    assert_eq!(fx.count("cr WHERE v = 4").await, 1);
+    let stale = run(&mut fx.raw_session("-c fencing.token=33 -c fencing.resource=cr"));
+    assert_eq!(
+        first_error(&stale[2]).as_deref(),
+        Some("FN001"),
+        "{stale:?}"
+    );
+    assert_eq!(
+        fx.count("cr WHERE v = 4").await,
+        1,
+        "the stale session's CALL committed"
+    );
+}

@@ -1728,8 +1728,10 @@ CREATE VIEW rv AS SELECT id, v FROM r;
 /// the server skipped after a flushed batch had failed (fixed with seed 10281 of
 /// [`REGRESSION_SEEDS`]); 33365, a skipped Close of a prepared INSERT's name, then a Parse
 /// of that name refused with a Bind of it in the next batch; 35213, a `COMMIT` pipelined
-/// behind a Query whose `ROLLBACK TO SAVEPOINT` revived a failed block that wrote.
-const STALE_REGRESSION_SEEDS: &[u64] = &[981, 1263, 1500, 1638, 1964, 3611, 33365, 35213];
+/// behind a Query whose `ROLLBACK TO SAVEPOINT` revived a failed block that wrote; 116012,
+/// an Execute of a `CALL` whose name a failed SQL `PREPARE` had made pgfence forget, after
+/// a check that passed because nothing was written yet.
+const STALE_REGRESSION_SEEDS: &[u64] = &[981, 1263, 1500, 1638, 1964, 3611, 33365, 35213, 116012];
 
 /// The fence of both resources in the stale run: above every token its sessions get.
 const STALE_FENCE: u64 = 1_000_000;

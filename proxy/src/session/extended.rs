@@ -316,9 +316,11 @@ impl Session {
                     && self.replies.ready_tells_state()
             }
             Some(p) => p.tx_control && self.waits_for_replies(&p.analysis),
+            // Anything, a `COMMIT` or a `CALL` included: as for either.
             None => {
                 self.fence.enabled
-                    && self.tx.placement_depends_on_replies(kind)
+                    && (self.tx.placement_depends_on_replies(kind)
+                        || (self.tx.view == View::Unknown && !self.replies.is_empty()))
                     && self.replies.ready_tells_state()
             }
         };
@@ -393,7 +395,7 @@ impl Session {
             };
         } else if prepared
             .as_ref()
-            .is_some_and(|p| p.analysis.may_commit_inside())
+            .is_none_or(|p| p.analysis.may_commit_inside())
             && !matches!(self.tx.view, View::InBlock | View::Failed)
         {
             // A `DO` or `CALL` outside a block runs non-atomic: a `COMMIT` inside it
@@ -402,7 +404,9 @@ impl Session {
             // transaction, compares the token now and holds the accept lock over what it
             // commits; what it writes after its own `COMMIT` is checked at the Sync, with
             // the same comment directives. Its portal is closed after it (the view is
-            // unknown), since the transaction goes on.
+            // unknown), since the transaction goes on. So for a portal pgfence does not
+            // know, which may be a `CALL`: a check that is not forced passes while the
+            // transaction has written nothing yet, and the `CALL` then commits unchecked.
             self.tx.view = View::Unknown;
             let directives = self.tx.directives.clone();
             self.inject_check(true);
