@@ -2640,6 +2640,39 @@ async fn a_bind_before_a_vacuum_is_checked() {
     }
 }
 
+/// A comment token earlier in the transaction overrides the session's for the rest of it
+/// (SPEC section 2): the fast path does not reject a later statement of the transaction by
+/// the session's token, which the check does not compare. Before, an Execute with no
+/// comment after one with the current token got FN001 from the fast path, while the same
+/// as one Query, or with the fast path off, committed (review finding, older than stop 51).
+#[tokio::test]
+async fn an_earlier_comment_token_overrides_the_session_token_for_the_fast_path() {
+    let (fx, stale_session) = Fixture::after_leader_34("eo", |_| {}).await;
+    let mut conn = fx.raw_session(&stale_session);
+    conn.send(
+        &[
+            wire::parse(
+                "",
+                "/* fencing_token=34 fencing_resource=eo */ SELECT 1",
+                &[],
+            ),
+            wire::bind("", "", &[]),
+            wire::execute("", 0),
+            wire::parse("", "INSERT INTO eo VALUES ('34 by comment')", &[]),
+            wire::bind("", "", &[]),
+            wire::execute("", 0),
+            wire::sync(),
+        ]
+        .concat(),
+    );
+    let replies = conn.until_ready();
+    assert_eq!(first_error(&replies), None, "{replies:?}");
+    assert_eq!(fx.count("eo WHERE tag = '34 by comment'").await, 1);
+    // The session's own stale token is still rejected, by the fast path.
+    conn.send(&wire::query("INSERT INTO eo VALUES ('33')"));
+    assert_eq!(first_error(&conn.until_ready()).as_deref(), Some("FN001"));
+}
+
 /// A Query that the fast path rejects, sent inside an extended-protocol batch whose replies
 /// are all in (the client flushed): PostgreSQL runs the Query in the batch's implicit
 /// transaction, so its failure rolls back what the batch wrote, and the Sync after it

@@ -287,7 +287,9 @@ impl FenceSettings {
                 return Some(found);
             }
         }
-        let overridden = directives.iter().any(|d| {
+        // A comment token for the session's resource, earlier in the transaction or on this
+        // statement, is the one the check compares (SPEC section 2), not the session's.
+        let overridden = earlier.iter().chain(directives).any(|d| {
             d.token.is_some()
                 && match (&d.resource, &self.session_resource) {
                     (None, _) => true,
