@@ -2588,6 +2588,28 @@ async fn a_bind_of_any_statement_converts_its_parameters_under_the_fence() {
         Some("FN001"),
         "{replies:?}"
     );
+    // And in one write, behind a Query, with an Executed COMMIT that waits for the Query's
+    // ReadyForQuery (a review's variant).
+    let mut conn = fx.raw_session("-c fencing.token=34 -c fencing.resource=bw");
+    conn.send(
+        &[
+            wire::query("ROLLBACK"),
+            wire::parse("d", commented, &[]),
+            wire::bind("", "d", &[Some(b"stale behind a query")]),
+            wire::parse("c", "COMMIT", &[]),
+            wire::bind("c", "c", &[]),
+            wire::execute("c", 0),
+            wire::sync(),
+        ]
+        .concat(),
+    );
+    conn.until_ready();
+    let replies = conn.until_ready();
+    assert_eq!(
+        first_error(&replies).as_deref(),
+        Some("FN001"),
+        "{replies:?}"
+    );
     assert_eq!(
         fx.count("bw WHERE tag LIKE 'stale%'").await,
         0,
