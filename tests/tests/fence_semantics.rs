@@ -4765,6 +4765,47 @@ async fn a_prepared_transaction_rolled_back_leaves_the_session_writable() {
 /// older than stop 51.
 #[tokio::test]
 async fn a_portal_pgfence_does_not_know_is_checked_as_a_call() {
+    let fx = committing_procedure_after_leader_34().await;
+    let steps = [
+        [wire::parse("a", "CALL cp(2)", &[]), wire::sync()].concat(),
+        wire::query("PREPARE a AS INSERT INTO cr VALUES (1, 0)"),
+        [
+            wire::parse("", "SELECT 1", &[]),
+            wire::bind("", "", &[]),
+            wire::execute("", 0),
+            wire::bind("p", "a", &[]),
+            wire::execute("p", 0),
+            wire::sync(),
+        ]
+        .concat(),
+    ];
+    let direct = run_steps(&mut fx.raw_direct(), &steps);
+    assert_eq!(fx.count("cr WHERE v = 2").await, 1, "directly the CALL ran");
+    let current = run_steps(
+        &mut fx.raw_session("-c fencing.token=34 -c fencing.resource=cr"),
+        &steps,
+    );
+    assert_eq!(current, direct, "the current leader's session as directly");
+    assert_eq!(fx.count("cr WHERE v = 4").await, 1);
+    let stale = run_steps(
+        &mut fx.raw_session("-c fencing.token=33 -c fencing.resource=cr"),
+        &steps,
+    );
+    assert_eq!(
+        first_error(&stale[2]).as_deref(),
+        Some("FN001"),
+        "{stale:?}"
+    );
+    assert_eq!(
+        fx.count("cr WHERE v = 4").await,
+        1,
+        "the stale session's CALL committed"
+    );
+}
+
+/// Table `cr` (row 2 at 0), procedure `cp(k)` that adds 1 to row k, commits, and adds 1
+/// again, and resource `cr` whose leader wrote with token 34; the fast path off.
+async fn committing_procedure_after_leader_34() -> Fixture {
     let fx = Fixture::start(
         "CREATE TABLE cr (id int PRIMARY KEY, v int);
          INSERT INTO cr VALUES (2, 0);
@@ -4781,42 +4822,123 @@ async fn a_portal_pgfence_does_not_know_is_checked_as_a_call() {
         .simple("UPDATE cr SET v = v WHERE id = 2")
         .await
         .unwrap();
-    let steps = [
-        [wire::parse("a", "CALL cp(2)", &[]), wire::sync()].concat(),
-        wire::query("PREPARE a AS INSERT INTO cr VALUES (1, 0)"),
-        [
-            wire::parse("", "SELECT 1", &[]),
-            wire::bind("", "", &[]),
-            wire::execute("", 0),
-            wire::bind("p", "a", &[]),
-            wire::execute("p", 0),
-            wire::sync(),
-        ]
-        .concat(),
+    fx
+}
+
+/// Sends each step in one write, and reads its replies up to its last ReadyForQuery (one
+/// per Sync or Query in it).
+fn run_steps(conn: &mut RawConn, steps: &[Vec<u8>]) -> Vec<Vec<Msg>> {
+    steps
+        .iter()
+        .map(|step| {
+            conn.send(step);
+            let ends = wire::split_messages(step)
+                .iter()
+                .filter(|m| matches!(m.tag, b'S' | b'Q'))
+                .count();
+            (0..ends).flat_map(|_| conn.until_ready()).collect()
+        })
+        .collect()
+}
+
+/// The server runs a statement other than the one pgfence last saw parsed under a name:
+/// the Parse that would replace it is refused (42P05: the name is in use), and a Bind in
+/// the next batch binds the old one. pgfence takes the Bind for the old statement, unless
+/// both are alike for the fence, which compares whether each commits inside (a `DO` with a
+/// `COMMIT` is no `UPDATE`; a `CALL` is no `VACUUM`, though neither runs in a block). And a
+/// SQL `EXECUTE` of a `PREPARE` parsed in the extended protocol prepares a name, which
+/// pgfence forgets. Before, each of these let a stale session's write commit (a review
+/// found them; older than stop 51).
+#[tokio::test]
+async fn a_name_the_server_holds_for_another_statement_is_not_trusted() {
+    let fx = committing_procedure_after_leader_34().await;
+    let do_commit = "DO $$BEGIN UPDATE cr SET v = v + 1 WHERE id = 2; COMMIT; END$$";
+    let cases: [(&str, Vec<Vec<u8>>); 3] = [
+        (
+            "a DO taken for an UPDATE",
+            vec![
+                [wire::parse("s", do_commit, &[]), wire::sync()].concat(),
+                [
+                    wire::parse("s", "UPDATE cr SET v = v WHERE id = 2", &[]),
+                    wire::sync(),
+                    wire::bind("", "s", &[]),
+                    wire::execute("", 0),
+                    wire::sync(),
+                ]
+                .concat(),
+            ],
+        ),
+        (
+            "a CALL taken for a VACUUM",
+            vec![
+                [
+                    wire::parse("s", "CALL cp(2)", &[]),
+                    wire::parse("k", "SELECT 1", &[]),
+                    wire::sync(),
+                ]
+                .concat(),
+                [
+                    wire::parse("s", "VACUUM cr", &[]),
+                    wire::sync(),
+                    wire::bind("", "k", &[]),
+                    wire::execute("", 0),
+                    wire::bind("p", "s", &[]),
+                    wire::execute("p", 0),
+                    wire::sync(),
+                ]
+                .concat(),
+            ],
+        ),
+        (
+            "a name prepared by a SQL EXECUTE",
+            vec![
+                [
+                    wire::parse(
+                        "y",
+                        "PREPARE x AS UPDATE cr SET v = v + 1 WHERE id = 2",
+                        &[],
+                    ),
+                    wire::sync(),
+                ]
+                .concat(),
+                wire::query("EXECUTE y"),
+                [
+                    wire::parse("x", "BEGIN", &[]),
+                    wire::sync(),
+                    wire::bind("", "x", &[]),
+                    wire::execute("", 0),
+                    wire::sync(),
+                ]
+                .concat(),
+            ],
+        ),
     ];
-    let run = |conn: &mut RawConn| -> Vec<Vec<Msg>> {
-        steps
-            .iter()
-            .map(|step| {
-                conn.send(step);
-                conn.until_ready()
-            })
-            .collect()
-    };
-    let direct = run(&mut fx.raw_direct());
-    assert_eq!(fx.count("cr WHERE v = 2").await, 1, "directly the CALL ran");
-    let current = run(&mut fx.raw_session("-c fencing.token=34 -c fencing.resource=cr"));
-    assert_eq!(current, direct, "the current leader's session as directly");
-    assert_eq!(fx.count("cr WHERE v = 4").await, 1);
-    let stale = run(&mut fx.raw_session("-c fencing.token=33 -c fencing.resource=cr"));
-    assert_eq!(
-        first_error(&stale[2]).as_deref(),
-        Some("FN001"),
-        "{stale:?}"
-    );
-    assert_eq!(
-        fx.count("cr WHERE v = 4").await,
-        1,
-        "the stale session's CALL committed"
-    );
+    for (case, steps) in &cases {
+        let direct = run_steps(&mut fx.raw_direct(), steps);
+        assert_eq!(
+            fx.count("cr WHERE v = 0").await,
+            0,
+            "{case}: directly it writes: {direct:?}"
+        );
+        fx.direct
+            .batch_execute("UPDATE cr SET v = 0")
+            .await
+            .unwrap();
+        let stale = run_steps(
+            &mut fx.raw_session("-c fencing.token=33 -c fencing.resource=cr"),
+            steps,
+        );
+        assert!(
+            stale
+                .iter()
+                .flatten()
+                .any(|m| m.sqlstate().as_deref() == Some("FN001")),
+            "{case}: no FN001: {stale:?}"
+        );
+        assert_eq!(
+            fx.count("cr WHERE v = 0").await,
+            1,
+            "{case}: the stale session's write committed: {stale:?}"
+        );
+    }
 }

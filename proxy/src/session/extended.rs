@@ -67,6 +67,20 @@ pub(super) fn prepared_in_sql(sql: &[u8], options: LexOptions) -> PreparedInSql 
     }
 }
 
+/// Whether running `p` may prepare a statement in SQL: a `PREPARE`, or an `EXECUTE` of
+/// another statement, which may be one.
+fn may_prepare(p: &Prepared) -> bool {
+    !matches!(p.prepares, PreparedInSql::No) || executes_in_sql(p)
+}
+
+/// Whether `p` is a SQL `EXECUTE`.
+fn executes_in_sql(p: &Prepared) -> bool {
+    p.analysis
+        .statements
+        .iter()
+        .any(|s| s.kind == StatementKind::Execute)
+}
+
 impl Session {
     /// Forwards a Parse or Bind of statement or portal `name`, which stood for `before` (see
     /// `Pending::name`).
@@ -102,27 +116,67 @@ impl Session {
         match prepared {
             PreparedInSql::No => {}
             PreparedInSql::Name(name) => {
-                self.statements.remove(name);
+                if let Some(old) = self.statements.remove(name) {
+                    self.prepare_hidden |= may_prepare(&old);
+                }
                 self.names_forgotten = true;
             }
             PreparedInSql::Unknown => {
+                self.prepare_hidden |= self.statements.values().any(|p| may_prepare(p));
                 self.statements.clear();
                 self.names_forgotten = true;
             }
         }
     }
 
+    /// A SQL `EXECUTE` (`text`, one statement) went upstream: it runs the statement of that
+    /// name, which may be a `PREPARE` parsed in the extended protocol (SQL `PREPARE` takes
+    /// neither `PREPARE` nor `EXECUTE`), or an `EXECUTE` of one. What it may prepare is
+    /// forgotten: every name when pgfence cannot tell which, or when the name is one it
+    /// forgot and a statement it forgot may have been such a one.
+    pub(super) fn executed_in_sql(&mut self, text: &[u8]) {
+        let hidden = match prepared_in_sql(text, self.lex) {
+            PreparedInSql::No => return,
+            PreparedInSql::Name(name) => match self.statements.get(&name) {
+                Some(p) if !may_prepare(p) => return,
+                Some(p) if !executes_in_sql(p) => p.prepares.clone(),
+                Some(_) => PreparedInSql::Unknown,
+                None if self.prepare_hidden => PreparedInSql::Unknown,
+                None => return,
+            },
+            PreparedInSql::Unknown => {
+                if !self.prepare_hidden && !self.statements.values().any(|p| may_prepare(p)) {
+                    return;
+                }
+                PreparedInSql::Unknown
+            }
+        };
+        self.forget_prepared_in_sql(&hidden);
+    }
+
     /// Whether a statement pgfence knew as `old` (`None`: none) runs as `new` does, as far as
-    /// the fence cares: the same kinds of statements, with the same fencing comments.
+    /// the fence cares: the same statements as the classifier tells them apart (kind, and
+    /// whether each commits inside, at once, changes the schema, prepares, or depends on a
+    /// block), preparing the same name, with the same fencing comments.
     fn same_for_the_fence(&self, old: Option<&Arc<Prepared>>, new: Option<&Arc<Prepared>>) -> bool {
         match (old, new) {
             (Some(old), Some(new)) => {
-                fn kinds(p: &Prepared) -> impl Iterator<Item = StatementKind> + '_ {
-                    p.analysis.statements.iter().map(|s| s.kind)
+                fn shape(p: &Prepared) -> impl Iterator<Item = impl PartialEq> + '_ {
+                    p.analysis.statements.iter().map(|s| {
+                        (
+                            s.kind,
+                            s.may_commit_inside,
+                            s.commits_at_once,
+                            s.changes_schema,
+                            s.prepares_in_sql,
+                            s.block_sensitive,
+                        )
+                    })
                 }
                 old.copy_in == new.copy_in
+                    && old.prepares == new.prepares
                     && old.analysis.directives == new.analysis.directives
-                    && kinds(old).eq(kinds(new))
+                    && shape(old).eq(shape(new))
             }
             // Nothing of that name on the server: a refused Parse leaves the Bind failing.
             (None, _) => !self.names_forgotten,
@@ -145,6 +199,8 @@ impl Session {
                 self.unnamed_statement.take()
             } else {
                 self.names_forgotten = true;
+                // It may be a `PREPARE`, run later by a SQL `EXECUTE` of its name.
+                self.prepare_hidden = true;
                 self.statements.remove(name)
             };
             self.forward_named(frame, Request::Parse, name, before);
@@ -346,6 +402,11 @@ impl Session {
         }
         if let Some(p) = &prepared {
             self.forget_prepared_in_sql(&p.prepares);
+            if kind == StatementKind::Execute {
+                if let Some(first) = p.analysis.statements.first() {
+                    self.executed_in_sql(first.text(&p.sql));
+                }
+            }
         }
         if kind == StatementKind::Discard || prepared.is_none() {
             // A portal pgfence does not know may run `DISCARD ALL` or `DEALLOCATE ALL` (its

@@ -558,6 +558,11 @@ pub(crate) struct Session {
     /// Parse it could not read, the unnamed one after `standard_conforming_strings`
     /// changed): a name it does not know may stand for something.
     names_forgotten: bool,
+    /// A statement pgfence forgot may have prepared a statement in SQL when run (a
+    /// `PREPARE` parsed in the extended protocol, an `EXECUTE`, a Parse it could not read):
+    /// a SQL `EXECUTE` of a name it does not know may prepare any name (see
+    /// `Session::executed_in_sql`).
+    prepare_hidden: bool,
     unnamed_statement: Option<Arc<Prepared>>,
     portals: Names,
     unnamed_portal: Option<Arc<Prepared>>,
@@ -701,6 +706,7 @@ impl Session {
             fence,
             statements: Names::default(),
             names_forgotten: false,
+            prepare_hidden: false,
             unnamed_statement: None,
             portals: Names::default(),
             unnamed_portal: None,

@@ -224,6 +224,13 @@ impl Session {
                 self.forget_prepared_in_sql(&prepared_in_sql(statement.text(sql), self.lex));
             }
         }
+        for statement in analysis
+            .statements
+            .iter()
+            .filter(|s| s.kind == StatementKind::Execute)
+        {
+            self.executed_in_sql(statement.text(sql));
+        }
     }
 
     /// Keeps a Query's text as what a check is owed for, if it is (`owes`, see
