@@ -2695,6 +2695,90 @@ async fn an_earlier_comment_token_overrides_the_session_token_for_the_fast_path(
     assert_eq!(first_error(&conn.until_ready()).as_deref(), Some("FN001"));
 }
 
+/// A Query inside an extended-protocol batch whose last transaction control is a `BEGIN`
+/// makes a block of the batch's transaction, as one that starts with `BEGIN` does: nothing
+/// commits at its end, so no check goes before it, where it would take a snapshot and fail
+/// the Query's `SET TRANSACTION ISOLATION LEVEL` (25001; directly, behind a `SET LOCAL`
+/// that takes none, it runs). The block's `COMMIT` is checked; a Query that fails rolls
+/// the batch back, and what the batch writes after it is checked at its Sync. Found by
+/// `random_sessions_with_function_calls_same_replies` seed 31309 (older than stop 51).
+#[tokio::test]
+async fn a_query_that_ends_in_a_block_inside_a_batch_is_not_checked_before() {
+    let fx = Fixture::start(
+        "CREATE TABLE eb (tag text);
+         CREATE FUNCTION eb_w() RETURNS int LANGUAGE sql AS $$ SELECT 1 $$;
+         CREATE VIEW eb_v AS SELECT eb_w() AS w;",
+        |c| c.fence.fast_path = false,
+    )
+    .await;
+    fx.leader("eb", 34)
+        .await
+        .simple("INSERT INTO eb VALUES ('leader 34')")
+        .await
+        .unwrap();
+    let steps = [
+        [
+            wire::parse("", "SET LOCAL application_name = 'eb'", &[]),
+            wire::bind("", "", &[]),
+            wire::execute("", 0),
+            wire::query(
+                "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ; \
+                 INSERT INTO eb VALUES ('in the block'); BEGIN",
+            ),
+            wire::sync(),
+        ]
+        .concat(),
+        wire::query("COMMIT"),
+    ];
+    let direct = run_steps(&mut fx.raw_direct(), &steps);
+    let current = run_steps(
+        &mut fx.raw_session("-c fencing.token=34 -c fencing.resource=eb"),
+        &steps,
+    );
+    assert_eq!(current, direct, "the current leader's session as directly");
+    assert_eq!(fx.count("eb WHERE tag = 'in the block'").await, 2);
+    let stale = run_steps(
+        &mut fx.raw_session("-c fencing.token=33 -c fencing.resource=eb"),
+        &steps,
+    );
+    assert_eq!(
+        first_error(&stale[1]).as_deref(),
+        Some("FN001"),
+        "{stale:?}"
+    );
+    // A Query ending in `BEGIN` that fails whole (a syntax error) opens no block: the
+    // INSERT after it in the batch commits at the Sync, which is checked.
+    let failing = [
+        wire::parse("", "INSERT INTO eb VALUES ('before')", &[]),
+        wire::bind("", "", &[]),
+        wire::execute("", 0),
+        wire::query("SELEC 1; BEGIN"),
+        wire::parse("", "INSERT INTO eb VALUES ('after')", &[]),
+        wire::bind("", "", &[]),
+        wire::execute("", 0),
+        wire::sync(),
+    ]
+    .concat();
+    let stale = run_steps(
+        &mut fx.raw_session("-c fencing.token=33 -c fencing.resource=eb"),
+        &[failing],
+    );
+    assert_eq!(
+        stale[0]
+            .iter()
+            .filter(|m| m.sqlstate().as_deref() == Some("FN001"))
+            .count(),
+        1,
+        "{stale:?}"
+    );
+    assert_eq!(
+        fx.count("eb WHERE tag = 'in the block' OR tag IN ('before', 'after')")
+            .await,
+        2,
+        "a stale session's write committed"
+    );
+}
+
 /// A Query that the fast path rejects, sent inside an extended-protocol batch whose replies
 /// are all in (the client flushed): PostgreSQL runs the Query in the batch's implicit
 /// transaction, so its failure rolls back what the batch wrote, and the Sync after it

@@ -135,11 +135,22 @@ impl Session {
         }
         // A Query that starts with `BEGIN` makes a block of the batch's transaction: it does
         // not end there, and its COMMIT is checked (a check before the `BEGIN` would take a
-        // snapshot first, and a `BEGIN ISOLATION LEVEL` then fail).
+        // snapshot first, and a `BEGIN ISOLATION LEVEL` then fail). So does one whose last
+        // transaction control is a `BEGIN`: what commits before it inside the Query (at a
+        // `COMMIT`, or an `EXECUTE` that may be one) gets the check placed there, with the
+        // batch's writes in its transaction; if the Query fails, all of it rolls back. (A
+        // check before it would take a snapshot, and its `SET TRANSACTION ISOLATION LEVEL`
+        // then fail.)
         let opens_block = analysis
             .statements
             .first()
-            .is_some_and(|s| s.kind == StatementKind::Begin);
+            .is_some_and(|s| s.kind == StatementKind::Begin)
+            || analysis
+                .statements
+                .iter()
+                .rev()
+                .find(|s| s.kind == StatementKind::Begin || s.kind.may_end_transaction())
+                .is_some_and(|s| s.kind == StatementKind::Begin);
         if !checked_first
             && !opens_block
             && self.tx.sync_needs_check()
