@@ -1524,8 +1524,10 @@ fn random_sessions_with_queries_inside_batches_same_replies() {
 /// batch that had written (with `SET LOCAL fencing.token`), then two Syncs: pgfence checked
 /// at the second Sync, inside the block the `BEGIN` had opened, and the check's snapshot made
 /// the next `BEGIN ISOLATION LEVEL SERIALIZABLE` fail (25001). A Sync whose batch executed
-/// nothing ends nothing that wrote.
-const FUNCTION_CALL_REGRESSION_SEEDS: &[u64] = &[102, 1647, 28275, 30326];
+/// nothing ends nothing that wrote. 31309, a Query ending in `BEGIN` inside a batch that
+/// had written: the check before it took a snapshot, and the Query's `SET TRANSACTION
+/// ISOLATION LEVEL` failed (25001).
+const FUNCTION_CALL_REGRESSION_SEEDS: &[u64] = &[102, 1647, 28275, 30326, 31309];
 
 /// The same, with FunctionCall messages too: of `w(k)` ([`W_SCHEMA`], a function that
 /// writes to `r` when row `k` exists), alone as a step and inside extended-protocol batches
