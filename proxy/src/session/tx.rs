@@ -210,7 +210,17 @@ impl TxState {
     /// already there changes nothing in the check (same resource, same token), so it is
     /// kept once: a client that comments every statement alike sends one, not one per
     /// statement, and the check can take its hot path.
+    #[inline]
     pub fn add_directives(&mut self, directives: &[Directive]) {
+        if directives.is_empty() {
+            // Almost every statement: no call, no loop.
+            return;
+        }
+        self.add_each(directives);
+    }
+
+    #[inline(never)]
+    fn add_each(&mut self, directives: &[Directive]) {
         for d in directives {
             if !self.directives.contains(d) {
                 self.directives.push(d.clone());
