@@ -141,20 +141,22 @@ impl Session {
         // batch's writes in its transaction; if the Query fails, all of it rolls back. (A
         // check before it would take a snapshot, and its `SET TRANSACTION ISOLATION LEVEL`
         // then fail.)
-        let opens_block = analysis
-            .statements
-            .first()
-            .is_some_and(|s| s.kind == StatementKind::Begin)
-            || analysis
+        let opens_block = || {
+            analysis
                 .statements
-                .iter()
-                .rev()
-                .find(|s| s.kind == StatementKind::Begin || s.kind.may_end_transaction())
-                .is_some_and(|s| s.kind == StatementKind::Begin);
+                .first()
+                .is_some_and(|s| s.kind == StatementKind::Begin)
+                || analysis
+                    .statements
+                    .iter()
+                    .rev()
+                    .find(|s| s.kind == StatementKind::Begin || s.kind.may_end_transaction())
+                    .is_some_and(|s| s.kind == StatementKind::Begin)
+        };
         if !checked_first
-            && !opens_block
             && self.tx.sync_needs_check()
             && self.batch_commits_inside()
+            && !opens_block()
         {
             if self.waits_for_state_inside_batch() {
                 return Ok(self.hold_until_answered());
@@ -223,24 +225,17 @@ impl Session {
     /// `last_write`, is kept once the Query goes on: see `Session::on_query`.)
     fn note_query(&mut self, sql: &[u8], analysis: &Analysis) {
         Remembered::query(&mut self.last_sql, sql);
-        if analysis
-            .statements
-            .iter()
-            .any(|s| s.kind == StatementKind::Discard)
-        {
-            self.fence.dropping_prepared();
+        for statement in analysis.statements.iter() {
+            match statement.kind {
+                StatementKind::Discard => self.fence.dropping_prepared(),
+                StatementKind::Execute => self.executed_in_sql(statement.text(sql)),
+                _ => {}
+            }
         }
         if analysis.prepares_in_sql {
             for statement in analysis.statements.iter().filter(|s| s.prepares_in_sql) {
                 self.forget_prepared_in_sql(&prepared_in_sql(statement.text(sql), self.lex));
             }
-        }
-        for statement in analysis
-            .statements
-            .iter()
-            .filter(|s| s.kind == StatementKind::Execute)
-        {
-            self.executed_in_sql(statement.text(sql));
         }
     }
 
