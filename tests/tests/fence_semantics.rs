@@ -2617,6 +2617,48 @@ async fn a_bind_of_any_statement_converts_its_parameters_under_the_fence() {
     );
 }
 
+/// A Bind flushed and answered, then a Query: the Query runs in the Bind's implicit
+/// transaction and commits what the Bind wrote, so its check covers that. pgfence may
+/// prepare its check statement before a Query, with a Sync of its own, when nothing is in
+/// flight; after such a Bind that Sync committed the Bind's write before the check (a
+/// review found it; older than stop 51). The first Query makes pgfence send its next check
+/// as text, and prepare it before the next Query.
+#[tokio::test]
+async fn a_query_after_a_flushed_bind_prepares_nothing_before_it() {
+    let fx = bind_writers_after_leader_34().await;
+    let dom: u32 = fx
+        .direct
+        .query_one("SELECT 'bw_dom'::regtype::oid", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let mut conn = fx.raw_session("-c fencing.token=33 -c fencing.resource=bw");
+    conn.send(&wire::query("INSERT INTO bw VALUES ('stale query')"));
+    assert_eq!(first_error(&conn.until_ready()).as_deref(), Some("FN001"));
+    conn.send(
+        &[
+            wire::parse("d", "SELECT $1::bw_dom", &[dom]),
+            wire::bind("", "d", &[Some(b"stale flushed bind")]),
+            wire::flush(),
+        ]
+        .concat(),
+    );
+    conn.until(|m| m.tag == b'2');
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    conn.send(&wire::query("SELECT 1"));
+    let replies = conn.until_ready();
+    assert_eq!(
+        first_error(&replies).as_deref(),
+        Some("FN001"),
+        "{replies:?}"
+    );
+    assert_eq!(
+        fx.count("bw WHERE tag LIKE 'stale%'").await,
+        0,
+        "a stale Bind's write committed"
+    );
+}
+
 /// A `VACUUM` Query inside a batch, behind an Executed `COMMIT` of it and a Bind that
 /// writes: PostgreSQL commits what the Bind wrote before it runs the `VACUUM`. pgfence
 /// learns the state with a Sync of its own there; that Sync is checked, so a stale

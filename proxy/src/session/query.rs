@@ -178,10 +178,12 @@ impl Session {
         }
         // Nothing in flight and no block open: pgfence may prepare a statement first.
         // Not in the middle of a batch whose replies pgfence has read (see `Flushed`): the
-        // Sync of the statement's preparation would commit what the batch ran.
+        // Sync of the statement's preparation would commit what the batch ran, Binds
+        // included (see `TxState::on_bind`), before the Query's check.
         let quiet = self.tx.view == View::Idle
             && self.replies.is_empty()
             && !self.tx.batch_has_execute
+            && !self.tx.batch_has_bind
             && self.commit_check == CommitCheck::None;
         let plan = self.tx.plan_simple(analysis);
         if plan.is_empty() {
