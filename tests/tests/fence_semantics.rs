@@ -2821,6 +2821,89 @@ async fn a_query_that_ends_in_a_block_inside_a_batch_is_not_checked_before() {
     );
 }
 
+/// A comment token is its transaction's, also when the client pipelines it behind
+/// transaction control whose outcome is still in flight: pgfence cannot tell at once
+/// whether that transaction ends at its sync point, so what may be checked behind it waits
+/// for the ReadyForQuery that tells. Before, a stale session's uncommented `INSERT`,
+/// pipelined behind a `ROLLBACK` and a read commented with the current token, was checked
+/// with that token and committed (a review found it; older than stop 51).
+#[tokio::test]
+async fn a_comment_token_pipelined_behind_transaction_control_stays_in_its_transaction() {
+    let (fx, stale) = Fixture::after_leader_34("hl", |_| {}).await;
+    let read = "/* fencing_token=34 fencing_resource=hl */ SELECT 1";
+    let extended = |sql: &str| {
+        [
+            wire::parse("", sql, &[]),
+            wire::bind("", "", &[]),
+            wire::execute("", 0),
+            wire::sync(),
+        ]
+        .concat()
+    };
+    let cases = [
+        (
+            "Queries",
+            [
+                wire::query("ROLLBACK"),
+                wire::query(read),
+                wire::query("INSERT INTO hl VALUES ('queries')"),
+            ]
+            .concat(),
+        ),
+        (
+            "a Query, then a batch",
+            [
+                wire::query("ROLLBACK"),
+                wire::query(read),
+                extended("INSERT INTO hl VALUES ('query then batch')"),
+            ]
+            .concat(),
+        ),
+        (
+            "batches behind a ROLLBACK Query",
+            [
+                wire::query("ROLLBACK"),
+                extended(read),
+                extended("INSERT INTO hl VALUES ('batches')"),
+            ]
+            .concat(),
+        ),
+        (
+            "batches behind an Executed COMMIT",
+            [
+                wire::parse("", "COMMIT", &[]),
+                wire::bind("", "", &[]),
+                wire::execute("", 0),
+                extended(read),
+                extended("INSERT INTO hl VALUES ('commit')"),
+            ]
+            .concat(),
+        ),
+    ];
+    for (case, bytes) in &cases {
+        let mut conn = fx.raw_session(&stale);
+        conn.send(bytes);
+        let ends = wire::split_messages(bytes)
+            .iter()
+            .filter(|m| matches!(m.tag, b'S' | b'Q'))
+            .count();
+        let replies: Vec<Msg> = (0..ends).flat_map(|_| conn.until_ready()).collect();
+        assert_eq!(
+            replies
+                .iter()
+                .filter(|m| m.sqlstate().as_deref() == Some("FN001"))
+                .count(),
+            1,
+            "{case}: {replies:?}"
+        );
+    }
+    assert_eq!(
+        fx.count("hl WHERE tag <> 'leader 34'").await,
+        0,
+        "a stale session's uncommented write committed"
+    );
+}
+
 /// A Query that the fast path rejects, sent inside an extended-protocol batch whose replies
 /// are all in (the client flushed): PostgreSQL runs the Query in the batch's implicit
 /// transaction, so its failure rolls back what the batch wrote, and the Sync after it

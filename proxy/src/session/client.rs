@@ -135,6 +135,9 @@ impl Session {
                 self.forward(frame, Request::SyncInCopy);
             }
             Frontend::Sync => {
+                if self.directives_in_doubt() {
+                    return Ok(self.hold_until_answered());
+                }
                 if self.fence.enabled && self.tx.sync_needs_check() {
                     self.inject_check(false);
                     self.tx.end();
@@ -142,6 +145,8 @@ impl Session {
                     // The batch's implicit transaction ends here with nothing to check: its
                     // comments end with it, and must not fence what is pipelined behind.
                     self.tx.directives.clear();
+                } else if self.tx.view == View::Unknown || self.tx.batch_begun {
+                    self.tx.sync_point_in_doubt();
                 }
                 self.tx.end_batch();
                 self.forward(frame, Request::Sync);
@@ -225,6 +230,14 @@ impl Session {
 
     /// Keeps the client's message being handled, and stops reading the client, until what
     /// is in flight is answered (see [`Hold::Waiting`]); then the message is handled again.
+    /// Whether a message that may be checked, or checked behind, waits for the state: the
+    /// transaction's comment directives are in doubt (see `TxState::directives_in_doubt`),
+    /// and a ReadyForQuery in flight will tell. A comment token pipelined behind a
+    /// `ROLLBACK` once fenced the next transaction with it.
+    pub(super) fn directives_in_doubt(&self) -> bool {
+        self.tx.directives_in_doubt && !self.replies.is_empty() && self.replies.ready_tells_state()
+    }
+
     pub(super) fn hold_until_answered(&mut self) -> Flow {
         self.hold = Hold::Waiting;
         Flow::Hold
@@ -367,6 +380,9 @@ impl Session {
     /// the batch's implicit transaction: checked first in that transaction, with no Sync
     /// (if the check fails, the server skips the call and the rest of the batch).
     fn on_function_call(&mut self, frame: &[u8]) -> Flow {
+        if self.directives_in_doubt() {
+            return self.hold_until_answered();
+        }
         if self.fence.enabled {
             match self.take_hold() {
                 Some(Ok(())) => {}

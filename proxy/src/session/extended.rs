@@ -342,6 +342,9 @@ impl Session {
         let Some(portal) = msg::execute_portal(frame) else {
             return Err(SessionError::MalformedClientMessage("Execute"));
         };
+        if self.directives_in_doubt() {
+            return Ok(self.hold_until_answered());
+        }
         let prepared = self.portal(portal);
         if prepared.is_none() && self.replies.portal_closed_in_batch(portal) {
             // Closed earlier in this batch: it runs nothing, and a check before it could

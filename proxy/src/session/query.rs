@@ -71,6 +71,9 @@ impl Session {
             return Err(SessionError::MalformedClientMessage("Query"));
         };
         crate::failpoint::panic_on_query(sql);
+        if self.directives_in_doubt() {
+            return Ok(self.hold_until_answered());
+        }
         if self.lexing_in_doubt(sql) {
             if !self.replies.ready_tells_state() {
                 return Err(SessionError::QueryLexingInDoubt);
@@ -217,8 +220,10 @@ impl Session {
 
     /// After a Query's statements: its directives live on only in a block still open.
     fn end_query_directives(&mut self, analysis: &Analysis, plan: &SimplePlan) {
-        if plan.ends_in_block == Some(false) && !analysis.statements.is_empty() {
-            self.tx.directives.clear();
+        match plan.ends_in_block {
+            Some(false) if !analysis.statements.is_empty() => self.tx.directives.clear(),
+            None => self.tx.sync_point_in_doubt(),
+            _ => {}
         }
     }
 

@@ -30,6 +30,11 @@ pub struct TxState {
     pub dirty: bool,
     /// Fencing directives of the statements sent in the current transaction.
     pub directives: Vec<Directive>,
+    /// A sync point went upstream with `directives` while pgfence could not tell whether
+    /// its transaction ends there (transaction control in flight): they belong to the
+    /// next statement only if a block is still open. Until a ReadyForQuery tells, what may
+    /// be checked waits where it can (see `Session::directives_in_doubt`).
+    pub directives_in_doubt: bool,
     /// An Execute was sent since the last Sync (the extended protocol's implicit
     /// transaction may already hold writes).
     pub batch_has_execute: bool,
@@ -85,6 +90,7 @@ impl TxState {
             view: View::Idle,
             dirty: false,
             directives: Vec::new(),
+            directives_in_doubt: false,
             batch_has_execute: false,
             batch_has_bind: false,
             batch_pipelined: false,
@@ -232,6 +238,13 @@ impl TxState {
     pub fn end(&mut self) {
         self.dirty = false;
         self.directives.clear();
+        self.directives_in_doubt = false;
+    }
+
+    /// A sync point goes upstream while the transaction's end there is not known: its
+    /// directives, if any, are in doubt until a ReadyForQuery tells.
+    pub fn sync_point_in_doubt(&mut self) {
+        self.directives_in_doubt |= !self.directives.is_empty();
     }
 
     /// Whether a COMMIT sent now needs a check before it.
@@ -277,6 +290,7 @@ impl TxState {
         if !settled {
             return;
         }
+        self.directives_in_doubt = false;
         self.view = match status {
             b'T' => View::InBlock,
             b'E' => View::Failed,
