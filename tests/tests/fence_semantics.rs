@@ -2904,6 +2904,42 @@ async fn a_comment_token_pipelined_behind_transaction_control_stays_in_its_trans
     );
 }
 
+/// In a failed block, a FunctionCall behind a Sync still in flight and an Execute of a
+/// portal the same batch closed:
+/// the Execute fails (34000) and the server skips the rest up to the Sync. pgfence held
+/// the FunctionCall for the Execute's reply (whether a block is open), and when the error
+/// came, nothing was left in flight to release it: the Sync behind it never went, and the
+/// session hung (random FunctionCalls seed 32094; older than stop 51). The held message
+/// now goes on as it is, and the server skips it, as directly.
+#[tokio::test]
+async fn a_function_call_held_behind_a_failing_execute_does_not_hang() {
+    let fx = Fixture::start("", |_| {}).await;
+    let abs: u32 = fx
+        .direct
+        .query_one("SELECT 'abs(int4)'::regprocedure::oid", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let steps = [
+        wire::query("BEGIN; SELECT 1/0"),
+        [
+            wire::sync(),
+            wire::close(b'P', "p"),
+            wire::execute("p", 0),
+            wire::function_call(abs, &[Some(b"-2")]),
+            wire::sync(),
+        ]
+        .concat(),
+        wire::query("ROLLBACK"),
+    ];
+    let direct = run_steps(&mut fx.raw_direct(), &steps);
+    let through = run_steps(
+        &mut fx.raw_session("-c fencing.token=34 -c fencing.resource=fc"),
+        &steps,
+    );
+    assert_eq!(through, direct);
+}
+
 /// A Query that the fast path rejects, sent inside an extended-protocol batch whose replies
 /// are all in (the client flushed): PostgreSQL runs the Query in the batch's implicit
 /// transaction, so its failure rolls back what the batch wrote, and the Sync after it

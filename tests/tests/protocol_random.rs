@@ -1526,8 +1526,10 @@ fn random_sessions_with_queries_inside_batches_same_replies() {
 /// the next `BEGIN ISOLATION LEVEL SERIALIZABLE` fail (25001). A Sync whose batch executed
 /// nothing ends nothing that wrote. 31309, a Query ending in `BEGIN` inside a batch that
 /// had written: the check before it took a snapshot, and the Query's `SET TRANSACTION
-/// ISOLATION LEVEL` failed (25001).
-const FUNCTION_CALL_REGRESSION_SEEDS: &[u64] = &[102, 1647, 28275, 30326, 31309];
+/// ISOLATION LEVEL` failed (25001). 32094, a FunctionCall held behind a Sync and an
+/// Execute of a closed portal in a failed block: the Execute's error left nothing in
+/// flight to release it, and the session hung.
+const FUNCTION_CALL_REGRESSION_SEEDS: &[u64] = &[102, 1647, 28275, 30326, 31309, 32094];
 
 /// The same, with FunctionCall messages too: of `w(k)` ([`W_SCHEMA`], a function that
 /// writes to `r` when row `k` exists), alone as a step and inside extended-protocol batches

@@ -1101,6 +1101,12 @@ impl Session {
                 };
             }
             self.flushed = Flushed::No;
+        } else if self.skipping_to_sync && self.hold == Hold::Waiting && self.replies.is_empty() {
+            // An error skipped the rest of the client's batch, and nothing is left in flight
+            // to answer what a message of it waits for (its Sync is behind it): the held
+            // message goes on as it is, and the server skips it too. A FunctionCall held
+            // behind a failing Execute once hung the session so.
+            self.hold = Hold::None;
         }
         Ok(())
     }
