@@ -2772,12 +2772,7 @@ async fn a_query_that_ends_in_a_block_inside_a_batch_is_not_checked_before() {
         .concat(),
         wire::query("COMMIT"),
     ];
-    let direct = run_steps(&mut fx.raw_direct(), &steps);
-    let current = run_steps(
-        &mut fx.raw_session("-c fencing.token=34 -c fencing.resource=eb"),
-        &steps,
-    );
-    assert_eq!(current, direct, "the current leader's session as directly");
+    replies_as_directly(&fx, "-c fencing.token=34 -c fencing.resource=eb", &steps);
     assert_eq!(fx.count("eb WHERE tag = 'in the block'").await, 2);
     let stale = run_steps(
         &mut fx.raw_session("-c fencing.token=33 -c fencing.resource=eb"),
@@ -2932,12 +2927,7 @@ async fn a_function_call_held_behind_a_failing_execute_does_not_hang() {
         .concat(),
         wire::query("ROLLBACK"),
     ];
-    let direct = run_steps(&mut fx.raw_direct(), &steps);
-    let through = run_steps(
-        &mut fx.raw_session("-c fencing.token=34 -c fencing.resource=fc"),
-        &steps,
-    );
-    assert_eq!(through, direct);
+    replies_as_directly(&fx, "-c fencing.token=34 -c fencing.resource=fc", &steps);
 }
 
 /// A Query that the fast path rejects, sent inside an extended-protocol batch whose replies
@@ -5068,6 +5058,14 @@ async fn committing_procedure_after_leader_34() -> Fixture {
         .await
         .unwrap();
     fx
+}
+
+/// Runs `steps` directly, then through pgfence in a session with these startup
+/// `options`, and asserts the same replies.
+fn replies_as_directly(fx: &Fixture, options: &str, steps: &[Vec<u8>]) {
+    let direct = run_steps(&mut fx.raw_direct(), steps);
+    let through = run_steps(&mut fx.raw_session(options), steps);
+    assert_eq!(through, direct, "{options}: not as directly");
 }
 
 /// Sends each step in one write, and reads its replies up to its last ReadyForQuery (one
