@@ -2407,6 +2407,24 @@ async fn bind_writers_after_leader_34() -> Fixture {
     fx
 }
 
+/// The oid of [`BIND_WRITERS`]' domain `bw_dom`, for a Parse that declares it.
+async fn bw_dom_oid(fx: &Fixture) -> u32 {
+    fx.direct
+        .query_one("SELECT 'bw_dom'::regtype::oid", &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// No row tagged `stale...` reached table `bw`.
+async fn assert_no_stale_bind_write(fx: &Fixture) {
+    assert_eq!(
+        fx.count("bw WHERE tag LIKE 'stale%'").await,
+        0,
+        "a stale Bind's write committed"
+    );
+}
+
 /// A Bind writes, directly, when its planning or its parameters run a writer: Parse, Bind,
 /// Sync with no Execute commits a row. Through pgfence a stale session's such batch is
 /// checked at its Sync (FN001, nothing written), and so is one pipelined behind a batch
@@ -2503,12 +2521,7 @@ async fn a_bind_that_writes_is_checked() {
 #[tokio::test]
 async fn a_bind_of_any_statement_converts_its_parameters_under_the_fence() {
     let fx = bind_writers_after_leader_34().await;
-    let dom: u32 = fx
-        .direct
-        .query_one("SELECT 'bw_dom'::regtype::oid", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let dom = bw_dom_oid(&fx).await;
     let bind_alone = |sql: &str, tag: &str| {
         [
             wire::parse("d", sql, &[dom]),
@@ -2610,11 +2623,7 @@ async fn a_bind_of_any_statement_converts_its_parameters_under_the_fence() {
         Some("FN001"),
         "{replies:?}"
     );
-    assert_eq!(
-        fx.count("bw WHERE tag LIKE 'stale%'").await,
-        0,
-        "a stale Bind's write committed"
-    );
+    assert_no_stale_bind_write(&fx).await;
 }
 
 /// A Bind flushed and answered, then a Query: the Query runs in the Bind's implicit
@@ -2626,12 +2635,7 @@ async fn a_bind_of_any_statement_converts_its_parameters_under_the_fence() {
 #[tokio::test]
 async fn a_query_after_a_flushed_bind_prepares_nothing_before_it() {
     let fx = bind_writers_after_leader_34().await;
-    let dom: u32 = fx
-        .direct
-        .query_one("SELECT 'bw_dom'::regtype::oid", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let dom = bw_dom_oid(&fx).await;
     let mut conn = fx.raw_session("-c fencing.token=33 -c fencing.resource=bw");
     conn.send(&wire::query("INSERT INTO bw VALUES ('stale query')"));
     assert_eq!(first_error(&conn.until_ready()).as_deref(), Some("FN001"));
@@ -2652,11 +2656,7 @@ async fn a_query_after_a_flushed_bind_prepares_nothing_before_it() {
         Some("FN001"),
         "{replies:?}"
     );
-    assert_eq!(
-        fx.count("bw WHERE tag LIKE 'stale%'").await,
-        0,
-        "a stale Bind's write committed"
-    );
+    assert_no_stale_bind_write(&fx).await;
 }
 
 /// A `VACUUM` Query inside a batch, behind an Executed `COMMIT` of it and a Bind that
