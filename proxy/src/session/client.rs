@@ -228,8 +228,6 @@ impl Session {
         }
     }
 
-    /// Keeps the client's message being handled, and stops reading the client, until what
-    /// is in flight is answered (see [`Hold::Waiting`]); then the message is handled again.
     /// Whether a message that may be checked, or checked behind, waits for the state: the
     /// transaction's comment directives are in doubt (see `TxState::directives_in_doubt`),
     /// and a ReadyForQuery in flight will tell. A comment token pipelined behind a
@@ -238,6 +236,8 @@ impl Session {
         self.tx.directives_in_doubt && !self.replies.is_empty() && self.replies.ready_tells_state()
     }
 
+    /// Keeps the client's message being handled, and stops reading the client, until what
+    /// is in flight is answered (see [`Hold::Waiting`]); then the message is handled again.
     pub(super) fn hold_until_answered(&mut self) -> Flow {
         self.hold = Hold::Waiting;
         Flow::Hold
