@@ -2573,11 +2573,7 @@ async fn a_bind_of_any_statement_converts_its_parameters_under_the_fence() {
     let mut conn = fx.raw_session("-c fencing.token=34 -c fencing.resource=bw");
     conn.send(&bind_alone(commented, "stale comment"));
     let replies = conn.until_ready();
-    assert_eq!(
-        first_error(&replies).as_deref(),
-        Some("FN001"),
-        "{replies:?}"
-    );
+    assert_stale(&replies);
     // The same Bind sent while the previous batch's ReadyForQuery is still to come, its
     // Sync after that: the ReadyForQuery ends the previous transaction, not the Bind's.
     let mut conn = fx.raw_session("-c fencing.token=34 -c fencing.resource=bw");
@@ -2596,11 +2592,7 @@ async fn a_bind_of_any_statement_converts_its_parameters_under_the_fence() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     conn.send(&wire::sync());
     let replies = conn.until_ready();
-    assert_eq!(
-        first_error(&replies).as_deref(),
-        Some("FN001"),
-        "{replies:?}"
-    );
+    assert_stale(&replies);
     // And in one write, behind a Query, with an Executed COMMIT that waits for the Query's
     // ReadyForQuery (a review's variant).
     let mut conn = fx.raw_session("-c fencing.token=34 -c fencing.resource=bw");
@@ -2618,11 +2610,7 @@ async fn a_bind_of_any_statement_converts_its_parameters_under_the_fence() {
     );
     conn.until_ready();
     let replies = conn.until_ready();
-    assert_eq!(
-        first_error(&replies).as_deref(),
-        Some("FN001"),
-        "{replies:?}"
-    );
+    assert_stale(&replies);
     assert_no_stale_bind_write(&fx).await;
 }
 
@@ -2651,11 +2639,7 @@ async fn a_query_after_a_flushed_bind_prepares_nothing_before_it() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     conn.send(&wire::query("SELECT 1"));
     let replies = conn.until_ready();
-    assert_eq!(
-        first_error(&replies).as_deref(),
-        Some("FN001"),
-        "{replies:?}"
-    );
+    assert_stale(&replies);
     assert_no_stale_bind_write(&fx).await;
 }
 
@@ -2969,11 +2953,7 @@ async fn a_fast_path_rejection_inside_a_batch_rolls_it_back() {
         "/* fencing_token=33 fencing_resource=fb */ INSERT INTO fb VALUES ('query')",
     ));
     let replies = conn.until_ready();
-    assert_eq!(
-        first_error(&replies).as_deref(),
-        Some("FN001"),
-        "{replies:?}"
-    );
+    assert_stale(&replies);
     conn.send(&wire::sync());
     let replies = conn.until_ready();
     assert_eq!(first_error(&replies), None, "{replies:?}");
@@ -2981,6 +2961,15 @@ async fn a_fast_path_rejection_inside_a_batch_rolls_it_back() {
         fx.count("fb WHERE tag <> 'leader 34'").await,
         0,
         "the rejected Query's batch committed"
+    );
+}
+
+/// The first error among `replies` is FN001, a stale token.
+fn assert_stale(replies: &[Msg]) {
+    assert_eq!(
+        first_error(replies).as_deref(),
+        Some("FN001"),
+        "{replies:?}"
     );
 }
 
