@@ -60,7 +60,7 @@
 //! limitations; each was verified to let a stale write commit, 2026-12-06). The lexer's assumptions (standard-conforming strings
 //! unless told otherwise, an ASCII-safe client encoding) apply too.
 
-use std::ops::{Deref, Range};
+use std::ops::{Deref, DerefMut, Range};
 
 use crate::directive::{self, Directive};
 use crate::lexer::{LexOptions, Lexer, TokKind};
@@ -248,6 +248,15 @@ impl Deref for Statements {
         match &self.first {
             Some(first) => std::slice::from_ref(first),
             None => &self.all,
+        }
+    }
+}
+
+impl DerefMut for Statements {
+    fn deref_mut(&mut self) -> &mut [Statement] {
+        match &mut self.first {
+            Some(first) => std::slice::from_mut(first),
+            None => &mut self.all,
         }
     }
 }

@@ -2964,6 +2964,73 @@ async fn a_fast_path_rejection_inside_a_batch_rolls_it_back() {
     );
 }
 
+/// A SQL `EXECUTE` runs within its transaction unless its name may stand for transaction
+/// control parsed in the extended protocol: the transaction's comment token goes on past it.
+/// pgfence took every `EXECUTE` for a possible `COMMIT`, checked before it and then dropped
+/// the comment directives, so a block commented with a stale token wrote through a statement
+/// prepared in SQL and committed unchecked (two reviews found it, older than stop 51), and a
+/// current leader whose token came in a comment got FN002 at its `COMMIT`.
+#[tokio::test]
+async fn a_sql_execute_keeps_its_transactions_comment_token() {
+    let (fx, _) = Fixture::after_leader_34("exq", |c| c.fence.fast_path = false).await;
+    let c33 = "/* fencing_token=33 fencing_resource=exq */";
+    let prepare = "PREPARE upd AS INSERT INTO exq VALUES ('stale'); PREPARE noop AS SELECT 1";
+    let stale = fx.session(SUPERUSER, None).await;
+    stale.simple(prepare).await.unwrap();
+    for statements in [
+        &["BEGIN", &format!("{c33} SELECT 1"), "EXECUTE upd", "COMMIT"][..],
+        &[&format!("BEGIN; {c33} SELECT 1; EXECUTE upd; COMMIT")],
+        &[&format!(
+            "BEGIN; {c33} SELECT 1; EXECUTE noop; INSERT INTO exq VALUES ('stale after'); COMMIT"
+        )],
+        &[&format!("{c33} EXECUTE upd")],
+    ] {
+        let (last, before) = statements.split_last().unwrap();
+        for sql in before {
+            stale.simple(sql).await.unwrap();
+        }
+        let committed = stale.simple(last).await;
+        assert_eq!(
+            sqlstate(&committed).as_deref(),
+            Some("FN001"),
+            "{statements:?}"
+        );
+    }
+    // Over the extended protocol, in a block.
+    let mut raw = fx.raw_session("");
+    raw.send(&wire::query(prepare));
+    raw.until_ready();
+    raw.send(
+        &[
+            wire::query("BEGIN"),
+            pbe(&format!("{c33} SELECT 1")),
+            pbe("EXECUTE upd"),
+            wire::sync(),
+            wire::query("COMMIT"),
+        ]
+        .concat(),
+    );
+    let replies: Vec<Msg> = (0..3).flat_map(|_| raw.until_ready()).collect();
+    assert_stale(&replies);
+    assert_eq!(
+        fx.count("exq WHERE tag <> 'leader 34'").await,
+        0,
+        "a stale block wrote through EXECUTE"
+    );
+
+    // The current leader, its resource from the session and its token from a comment.
+    let leader = fx.session(SUPERUSER, Some("-c fencing.resource=exq")).await;
+    leader.simple(prepare).await.unwrap();
+    leader
+        .simple(
+            "BEGIN; INSERT INTO exq VALUES ('leader 35') /* fencing_token=35 */; \
+             EXECUTE noop; COMMIT",
+        )
+        .await
+        .unwrap();
+    assert_eq!(fx.fence("exq").await, Some(35));
+}
+
 /// The first error among `replies` is FN001, a stale token.
 fn assert_stale(replies: &[Msg]) {
     assert_eq!(

@@ -118,12 +118,19 @@ impl Session {
             PreparedInSql::Name(name) => {
                 if let Some(old) = self.statements.remove(name) {
                     self.prepare_hidden |= may_prepare(&old);
+                    if old.tx_control {
+                        self.control_forgotten.insert(name.clone());
+                    }
                 }
                 self.names_forgotten = true;
             }
             PreparedInSql::Unknown => {
                 self.prepare_hidden |= self.statements.values().any(|p| may_prepare(p));
-                self.statements.clear();
+                for (name, old) in self.statements.drain() {
+                    if old.tx_control {
+                        self.control_forgotten.insert(name);
+                    }
+                }
                 self.names_forgotten = true;
             }
         }
@@ -152,6 +159,30 @@ impl Session {
             }
         };
         self.forget_prepared_in_sql(&hidden);
+    }
+
+    /// Whether a SQL `EXECUTE` (`text`, one statement) may end its transaction. SQL
+    /// `PREPARE` takes only statements that cannot (`SELECT`, `INSERT`, `UPDATE`, `DELETE`,
+    /// `MERGE`, `VALUES`), but `EXECUTE` also runs a statement parsed in the extended
+    /// protocol, a `COMMIT` among them. So it may, where its name may stand for transaction
+    /// control (or an `EXECUTE` of some) parsed so: one pgfence knows, one a Parse or Close
+    /// in flight may leave, one it forgot (`control_forgotten`), or a name it
+    /// cannot spell. Else it runs within the transaction, whose comment directives go on:
+    /// taken for a possible `COMMIT`, a block's comment token once ended at an `EXECUTE`
+    /// of a statement prepared in SQL, and a stale write after it committed unfenced.
+    pub(super) fn execute_may_end(&self, text: &[u8]) -> bool {
+        let PreparedInSql::Name(name) = prepared_in_sql(text, self.lex) else {
+            return true;
+        };
+        let controls = |p: Option<&Arc<Prepared>>| match p {
+            Some(p) => p.tx_control,
+            None => self.control_forgotten.contains(&name),
+        };
+        controls(self.statements.get(&name))
+            || self
+                .replies
+                .statement_in_doubt(&name)
+                .is_some_and(|mut olds| olds.any(controls))
     }
 
     /// Whether a statement pgfence knew as `old` (`None`: none) runs as `new` does, as far as
@@ -199,8 +230,10 @@ impl Session {
                 self.unnamed_statement.take()
             } else {
                 self.names_forgotten = true;
-                // It may be a `PREPARE`, run later by a SQL `EXECUTE` of its name.
+                // It may be a `PREPARE`, run later by a SQL `EXECUTE` of its name, or a
+                // `COMMIT` that one runs.
                 self.prepare_hidden = true;
+                self.control_forgotten.insert(name.into());
                 self.statements.remove(name)
             };
             self.forward_named(frame, Request::Parse, name, before);
@@ -386,6 +419,19 @@ impl Session {
         if waits {
             return Ok(self.hold_until_answered());
         }
+        // A SQL `EXECUTE` that cannot end its transaction runs as the statement it names.
+        let kind = match (&prepared, kind) {
+            (Some(p), StatementKind::Execute)
+                if self.fence.enabled
+                    && p.analysis
+                        .statements
+                        .first()
+                        .is_some_and(|first| !self.execute_may_end(first.text(&p.sql))) =>
+            {
+                StatementKind::MayWrite
+            }
+            _ => kind,
+        };
         self.shared.stats.queries.add();
         self.tx.on_execute(kind);
         if prepared
@@ -405,7 +451,7 @@ impl Session {
         }
         if let Some(p) = &prepared {
             self.forget_prepared_in_sql(&p.prepares);
-            if kind == StatementKind::Execute {
+            if executes_in_sql(p) {
                 if let Some(first) = p.analysis.statements.first() {
                     self.executed_in_sql(first.text(&p.sql));
                 }

@@ -563,6 +563,10 @@ pub(crate) struct Session {
     /// a SQL `EXECUTE` of a name it does not know may prepare any name (see
     /// `Session::executed_in_sql`).
     prepare_hidden: bool,
+    /// Names pgfence forgot (see `names_forgotten`) that may still stand on the server for
+    /// a statement parsed in the extended protocol that controls transactions: a SQL
+    /// `EXECUTE` of one may end its transaction (see `Session::execute_may_end`).
+    control_forgotten: foldhash::HashSet<Box<[u8]>>,
     unnamed_statement: Option<Arc<Prepared>>,
     portals: Names,
     unnamed_portal: Option<Arc<Prepared>>,
@@ -707,6 +711,7 @@ impl Session {
             statements: Names::default(),
             names_forgotten: false,
             prepare_hidden: false,
+            control_forgotten: foldhash::HashSet::default(),
             unnamed_statement: None,
             portals: Names::default(),
             unnamed_portal: None,

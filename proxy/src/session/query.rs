@@ -81,11 +81,15 @@ impl Session {
             return Ok(self.hold_until_answered());
         }
         // Analysed where it lies, without the copies a prepared statement keeps.
-        let analysis = &self.analyze(sql);
+        let mut analysis = self.analyze(sql);
         if self.fence.enabled && analysis.body_in_doubt {
             return Err(SessionError::AtomicBodyInDoubt);
         }
-        self.note_query(sql, analysis);
+        self.note_query(sql, &analysis);
+        if self.fence.enabled {
+            self.resolve_sql_executes(sql, &mut analysis);
+        }
+        let analysis = &analysis;
         if analysis.statements.iter().any(|s| s.changes_schema) {
             self.tx.note_schema_change();
         }
@@ -216,6 +220,16 @@ impl Session {
             }
         }
         *next = (*next).max(last);
+    }
+
+    /// A SQL `EXECUTE` that cannot end its transaction (see [`Session::execute_may_end`])
+    /// is planned as the statement that may write it runs, not as a possible `COMMIT`.
+    fn resolve_sql_executes(&self, sql: &[u8], analysis: &mut Analysis) {
+        for st in analysis.statements.iter_mut() {
+            if st.kind == StatementKind::Execute && !self.execute_may_end(st.text(sql)) {
+                st.kind = StatementKind::MayWrite;
+            }
+        }
     }
 
     /// After a Query's statements: its directives live on only in a block still open.
