@@ -39,9 +39,10 @@ pub struct RejectionLabels {
     pub path: &'static str,
 }
 
-/// Labels of `pgfence_fence_token`.
+/// Labels of `pgfence_fence_token`: each database holds its own fences.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ResourceLabel {
+pub struct FenceLabels {
+    pub database: String,
     pub resource: String,
 }
 
@@ -67,7 +68,7 @@ pub struct Metrics {
     registry: Registry,
     pub checks: Family<CheckLabels, Counter>,
     pub rejections: Family<RejectionLabels, Counter>,
-    pub fence_token: Family<ResourceLabel, Gauge>,
+    pub fence_token: Family<FenceLabels, Gauge>,
     pub client_connections: Gauge,
     pub upstream_connections: Gauge,
     pub upstream_idle: Gauge,
@@ -85,7 +86,7 @@ impl Default for Metrics {
         let mut registry = Registry::default();
         let checks = Family::<CheckLabels, Counter>::default();
         let rejections = Family::<RejectionLabels, Counter>::default();
-        let fence_token = Family::<ResourceLabel, Gauge>::default();
+        let fence_token = Family::<FenceLabels, Gauge>::default();
         let client_connections = Gauge::default();
         let upstream_connections = Gauge::default();
         let upstream_idle = Gauge::default();
@@ -108,7 +109,7 @@ impl Default for Metrics {
         );
         registry.register(
             "pgfence_fence_token",
-            "Highest token pgfence has seen accepted, per resource",
+            "Highest token pgfence has seen accepted, per database and resource",
             fence_token.clone(),
         );
         registry.register(

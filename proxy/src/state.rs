@@ -355,14 +355,35 @@ impl TlsConfigs {
     }
 }
 
-/// The highest token pgfence has seen accepted, per resource. Only ever grows; the database
-/// stays the authority (the fast path may reject with it, never accept).
+/// The highest token pgfence has seen accepted, per database and resource: each database
+/// holds its own fences (a resource written in two databases has two). Only ever grows; the
+/// database stays the authority (the fast path may reject with it, never accept).
 #[derive(Debug, Default)]
 pub struct KnownFences {
-    map: DashMap<String, i64>,
+    databases: DashMap<String, Arc<DatabaseFences>>,
 }
 
 impl KnownFences {
+    /// The fences of `database`. A session looks them up once, after its login (a database
+    /// is only added by a session that reached the server).
+    pub fn of(&self, database: &str) -> Arc<DatabaseFences> {
+        if let Some(fences) = self.databases.get(database) {
+            return fences.clone();
+        }
+        self.databases
+            .entry(database.to_string())
+            .or_default()
+            .clone()
+    }
+}
+
+/// The highest token pgfence has seen accepted, per resource, in one database.
+#[derive(Debug, Default)]
+pub struct DatabaseFences {
+    map: DashMap<String, i64>,
+}
+
+impl DatabaseFences {
     /// Records that `token` was accepted (or is the fence) for `resource`.
     pub fn observe(&self, resource: &str, token: i64) {
         if let Some(mut cur) = self.map.get_mut(resource) {
@@ -380,17 +401,6 @@ impl KnownFences {
     /// The highest token seen for `resource`.
     pub fn get(&self, resource: &str) -> Option<i64> {
         self.map.get(resource).map(|v| *v)
-    }
-
-    /// All known fences, sorted by resource.
-    pub fn snapshot(&self) -> Vec<(String, i64)> {
-        let mut all: Vec<_> = self
-            .map
-            .iter()
-            .map(|e| (e.key().clone(), *e.value()))
-            .collect();
-        all.sort();
-        all
     }
 }
 

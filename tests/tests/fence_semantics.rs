@@ -4797,6 +4797,116 @@ async fn the_fast_path_learns_only_committed_fences() {
     assert_eq!(fx.fence(r).await, Some(36));
 }
 
+/// The fast path rejects only with fences the session's database holds. Two reviews found
+/// it rejecting a leader the database accepts, with a fence learnt in another database (each
+/// holds its own), from an FN001 any statement may raise, from the transaction's own advance
+/// that its rejection rolled back, and for the configured default resource where `ALTER
+/// ROLE ... SET fencing.resource` names the session's (older than stop 51).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fast_path_knows_only_fences_the_database_holds() {
+    let fx = Fixture::start("CREATE TABLE known (tag text);", |c| {
+        c.fence.defaults.push(DefaultResource {
+            database: APP_DB.into(),
+            user: Some("known_role".into()),
+            resource: "known_default".into(),
+        })
+    })
+    .await;
+    fx.direct
+        .batch_execute("CREATE DATABASE known_other")
+        .await
+        .unwrap();
+    let other = fx.cluster.connect("known_other").await;
+    install(&other).await;
+    other
+        .batch_execute("CREATE TABLE known (tag text)")
+        .await
+        .unwrap();
+    let insert = |tag: &str| format!("INSERT INTO known VALUES ('{tag}')");
+    let in_other = |options: &str| {
+        let connstr = format!(
+            "{} options={}",
+            fx.proxy.connstr_as("known_other", SUPERUSER, None),
+            quote_conn_value(options)
+        );
+        async move { connect_with_notices(&connstr).await.0 }
+    };
+
+    // A fence of another database.
+    fx.leader("perdb", 50)
+        .await
+        .simple(&insert("perdb 50"))
+        .await
+        .unwrap();
+    in_other("-c fencing.resource=perdb -c fencing.token=20")
+        .await
+        .batch_execute(&insert("perdb 20 in the other database"))
+        .await
+        .expect("token 20 in a database whose fence is not 50");
+
+    // An FN001 a statement of the client's raised.
+    fx.session(SUPERUSER, None)
+        .await
+        .simple(
+            "DO $$ BEGIN RAISE EXCEPTION USING ERRCODE = 'FN001', MESSAGE = \
+             'stale fencing token 1 for resource \"victim\": token 999 was already accepted'; \
+             END $$",
+        )
+        .await
+        .unwrap_err();
+    fx.leader("victim", 5)
+        .await
+        .simple(&insert("victim 5"))
+        .await
+        .expect("a fence no check reported");
+
+    // The transaction's own advance: the check before an `EXECUTE` that may be a `COMMIT`
+    // (here a `SAVEPOINT` parsed in the extended protocol) accepts the comment's 60, and the
+    // check at COMMIT, with the session's 50, is rejected for it.
+    fx.leader("own", 50)
+        .await
+        .simple(&insert("own 50"))
+        .await
+        .unwrap();
+    let mut raw = fx.raw_session("-c fencing.resource=own -c fencing.token=50");
+    raw.send(&[wire::parse("sp", "SAVEPOINT x", &[]), wire::sync()].concat());
+    raw.until_ready();
+    raw.send(&wire::query(format!(
+        "BEGIN; /* fencing_token=60 */ {}; EXECUTE sp; {}; COMMIT",
+        insert("own 60"),
+        insert("own 50 again")
+    )));
+    assert_stale(&raw.until_ready());
+    assert_eq!(fx.fence("own").await, Some(50));
+    fx.leader("own", 50)
+        .await
+        .simple(&insert("own 50, last"))
+        .await
+        .expect("a fence the rejection rolled back");
+
+    // The default resource, where the role names another.
+    fx.direct
+        .batch_execute("CREATE ROLE known_role LOGIN; GRANT ALL ON known TO known_role;")
+        .await
+        .unwrap();
+    fx.session("known_role", Some("-c fencing.token=50"))
+        .await
+        .simple(&insert("default 50"))
+        .await
+        .unwrap();
+    assert_eq!(fx.fence("known_default").await, Some(50));
+    fx.direct
+        .batch_execute("ALTER ROLE known_role SET fencing.resource = 'known_own'")
+        .await
+        .unwrap();
+    fx.session("known_role", Some("-c fencing.token=6"))
+        .await
+        .simple(&insert("known_own 6"))
+        .await
+        .expect("token 6 for the role's resource");
+    assert_eq!(fx.fence("known_own").await, Some(6));
+}
+
 /// With `skip_read_only = false` every statement counts as a write, but `DISCARD ALL` cannot
 /// run in a transaction block: a check appended to it would make it fail. It writes nothing
 /// a fence protects (its only writes drop the session's temporary objects).

@@ -486,7 +486,7 @@ impl Session {
                 if let Some((resource, token, fence)) = self.fence.stale(
                     &self.tx.directives,
                     &p.analysis.directives,
-                    &self.shared.fences,
+                    self.known_fences(),
                 ) {
                     self.inject_fast_reject_execute(&resource, token, fence);
                     return Ok(Flow::Continue);

@@ -13,7 +13,7 @@ use pgfence_config::Config;
 use tracing::{info, warn};
 
 use crate::error::SessionError;
-use crate::metrics::{CheckLabels, RejectionLabels, ResourceLabel};
+use crate::metrics::{CheckLabels, FenceLabels, RejectionLabels};
 use crate::net::ClientAddr;
 use crate::protocol::message as msg;
 use crate::protocol::startup::{options_settings, Startup};
@@ -99,7 +99,8 @@ pub struct FenceSettings {
     pub default_resource: Option<String>,
     pub allow_missing: Vec<String>,
     pub client: String,
-    /// Resource (or else the default resource) and token from the startup packet, while
+    /// Resource and token from the startup packet (not the configured default resource: see
+    /// [`FenceSettings::new`]), while
     /// the session has sent nothing that could change them (the fast path's knowledge of
     /// the session token).
     pub session_resource: Option<Resource>,
@@ -167,23 +168,17 @@ impl FenceSettings {
             .default_resource(database, user)
             .map(str::to_string);
         let looks_fenced = !settings.is_empty() || default_resource.is_some();
-        let mut names_resource = false;
+        // Not the configured default resource where the startup packet names none: the
+        // check falls back on it only where the server has no `fencing.resource` either,
+        // and one set by `ALTER ROLE` or `ALTER DATABASE` (or in postgresql.conf) does not
+        // show in the startup packet. The fast path once rejected a leader's token for the
+        // default resource that the database accepted for its own.
         for (name, value) in settings {
             match name.as_str() {
-                "fencing.resource" => {
-                    names_resource = true;
-                    session_resource = Resource::parse(value.as_bytes()).ok();
-                }
+                "fencing.resource" => session_resource = Resource::parse(value.as_bytes()).ok(),
                 "fencing.token" => session_token = Token::parse(value.as_bytes()).ok(),
                 _ => {}
             }
-        }
-        if !names_resource {
-            // The check falls back on the default resource too (an invalid one named at
-            // startup is the server's to report).
-            session_resource = default_resource
-                .as_deref()
-                .and_then(|r| Resource::parse(r.as_bytes()).ok());
         }
         FenceSettings {
             // A replication connection takes replication commands, which pgfence's own
@@ -264,7 +259,7 @@ impl FenceSettings {
         &self,
         earlier: &[Directive],
         directives: &[Directive],
-        known: &crate::state::KnownFences,
+        known: &crate::state::DatabaseFences,
     ) -> Option<(Resource, Token, i64)> {
         if !directives.is_empty() && self.directives_conflict(earlier, directives) {
             return None;
@@ -566,6 +561,27 @@ impl Session {
         );
     }
 
+    /// The fences the fast path knows in the session's database: each database holds its
+    /// own, and one learnt in another once made the fast path reject a leader whose
+    /// database had none. Looked up at first use, which follows the login.
+    #[inline]
+    pub(super) fn known_fences(&self) -> &crate::state::DatabaseFences {
+        self.fences
+            .get_or_init(|| self.shared.fences.of(&self.database))
+    }
+
+    /// `pgfence_fence_token` of this database's `resource` is now `token`.
+    fn set_fence_gauge(&self, resource: &str, token: i64) {
+        self.shared
+            .metrics
+            .fence_token
+            .get_or_create(&FenceLabels {
+                database: self.database.clone(),
+                resource: resource.to_owned(),
+            })
+            .set(token);
+    }
+
     /// Learns fences from a check's result (`resource=token,...`).
     pub(super) fn observe_check_result(&mut self, value: Option<&[u8]>) {
         self.observe_check_latency();
@@ -618,16 +634,10 @@ impl Session {
                 // path stops using its belief rather than reject the leader with it.
                 self.fence.forget_session_token();
             }
-            let before = self.shared.fences.get(&resource);
-            self.shared.fences.observe(&resource, token);
+            let before = self.known_fences().get(&resource);
+            self.known_fences().observe(&resource, token);
             if before.is_none_or(|b| b < token) {
-                self.shared
-                    .metrics
-                    .fence_token
-                    .get_or_create(&ResourceLabel {
-                        resource: resource.clone(),
-                    })
-                    .set(token);
+                self.set_fence_gauge(&resource, token);
                 // What this pgfence knew, not the fence's previous value: another
                 // instance may have moved it since, and after a start nothing is known.
                 // `pgfence.history` records every advance.
@@ -692,32 +702,27 @@ impl Session {
         }
     }
 
-    /// Reports a rejection once: log event, metrics, `SHOW REJECTIONS`; learns the fence.
-    /// `about`: the statement the rejected request was sent for, when it kept one (see
-    /// [`Replies::push_about`](super::replies::Replies::push_about)); otherwise the last one
-    /// a check is owed for, which is the rejected transaction's unless the client pipelined
-    /// simple Queries.
+    /// Reports a rejection once: log event, metrics, `SHOW REJECTIONS`; learns the fence if
+    /// `learns`. `about`: the statement the rejected request was sent for, when it kept one
+    /// (see [`Replies::push_about`](super::replies::Replies::push_about)); otherwise the
+    /// last one a check is owed for, which is the rejected transaction's unless the client
+    /// pipelined simple Queries.
     pub(super) fn report_rejection(
         &self,
         rejection: &Rejection,
         path: &'static str,
         about: Option<&Arc<Prepared>>,
+        learns: bool,
     ) {
-        if let (Some(resource), Some(fence)) = (&rejection.resource, rejection.fence) {
+        if let (Some(resource), Some(fence), true) = (&rejection.resource, rejection.fence, learns)
+        {
             if self
-                .shared
-                .fences
+                .known_fences()
                 .get(resource)
                 .is_none_or(|known| known < fence)
             {
-                self.shared.fences.observe(resource, fence);
-                self.shared
-                    .metrics
-                    .fence_token
-                    .get_or_create(&ResourceLabel {
-                        resource: resource.clone(),
-                    })
-                    .set(fence);
+                self.known_fences().observe(resource, fence);
+                self.set_fence_gauge(resource, fence);
             }
         }
         // The write the transaction was rejected for, rather than its COMMIT.

@@ -538,6 +538,9 @@ pub(crate) struct Session {
     client_cn: Option<String>,
     user: String,
     database: String,
+    /// The fences the fast path knows in `database`, looked up at first use (see
+    /// [`Session::known_fences`]).
+    fences: std::sync::OnceLock<Arc<crate::state::DatabaseFences>>,
     application_name: String,
     upstream: UpstreamAddr,
     /// The upstream backend's real pid (0 until BackendKeyData).
@@ -699,6 +702,7 @@ impl Session {
             client_cn: None,
             user,
             database,
+            fences: std::sync::OnceLock::new(),
             application_name,
             upstream,
             backend_pid: 0,

@@ -134,7 +134,7 @@ impl Session {
             if let Some((resource, token, fence)) = self.fence.stale(
                 &self.tx.directives,
                 &analysis.directives,
-                &self.shared.fences,
+                self.known_fences(),
             ) {
                 self.remember_write(owes, sql);
                 return Ok(self.fast_reject_query(analysis, resource, token, fence));
@@ -491,7 +491,7 @@ impl Session {
             // replies are in: the failing Query rolls back what its Executes and Binds
             // wrote, and the rejection upstream below does so too. Not while the client
             // has an unnamed statement: PostgreSQL drops it at any Query.)
-            self.report_rejection(&rejection, "fast", None);
+            self.report_rejection(&rejection, "fast", None, false);
             msg::error_response(
                 &mut self.to_client,
                 &msg::ErrorMessage {

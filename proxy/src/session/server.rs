@@ -236,14 +236,6 @@ impl Session {
             // The COPY failed: the server left copy-in mode (and drops copy data from now).
             self.copy_from_client = CopyFromClient::None;
         }
-        if !self.fence.accepted.is_empty() {
-            // Whatever failed, the transaction of the accepted tokens may not commit.
-            self.settle_accepted(false);
-        }
-        if self.copy_in == CopyIn::Started {
-            // The COPY failed: the server left copy-in mode and answers the next Sync.
-            self.copy_in = CopyIn::Sent;
-        }
         let fields = msg::error_fields(frame);
         let rejection = if fields.code.starts_with(b"FN") {
             Rejection::from_server(
@@ -253,6 +245,20 @@ impl Session {
         } else {
             None
         };
+        // A check of this transaction accepted a token for the rejection's resource: the
+        // fence it names may be that token, which the rejection rolls back.
+        let advanced_here = rejection
+            .as_ref()
+            .and_then(|r| r.resource.as_ref())
+            .is_some_and(|resource| self.fence.accepted.iter().any(|(r, _)| r == resource));
+        if !self.fence.accepted.is_empty() {
+            // Whatever failed, the transaction of the accepted tokens may not commit.
+            self.settle_accepted(false);
+        }
+        if self.copy_in == CopyIn::Started {
+            // The COPY failed: the server left copy-in mode and answers the next Sync.
+            self.copy_in = CopyIn::Sent;
+        }
         let Some(front) = self.replies.front() else {
             // An error nothing asked for (e.g. the server shutting down): pass it on.
             self.to_client.extend_from_slice(frame);
@@ -411,7 +417,12 @@ impl Session {
             } else {
                 "database"
             };
-            self.report_rejection(r, path, about.as_ref());
+            // The fast path learns the fence only from pgfence's own check, and not where
+            // it may be this transaction's own advance: any statement may raise FN001 with
+            // any text, and a fence learnt that the database does not hold makes the fast
+            // path reject leaders the database accepts.
+            let learns = from_check && !advanced_here;
+            self.report_rejection(r, path, about.as_ref(), learns);
             // The client sees the rejection as from a constraint: without the PL/pgSQL
             // call stack of pgfence's functions.
             msg::without_location(frame, &mut self.to_client);
