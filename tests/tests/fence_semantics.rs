@@ -3031,6 +3031,32 @@ async fn a_sql_execute_keeps_its_transactions_comment_token() {
     assert_eq!(fx.fence("exq").await, Some(35));
 }
 
+/// The fast path answers for a Query of one statement only: a Query of several once lost,
+/// with its stale write, what PostgreSQL runs before it (an earlier transaction's `COMMIT`,
+/// a `SELECT`'s rows), since the rejection stood for the whole text (a review; older than
+/// stop 51). The check rejects the stale write's transaction where it commits.
+#[tokio::test]
+async fn a_fast_path_rejection_keeps_the_rest_of_its_query() {
+    let (fx, _) = Fixture::after_leader_34("fq", |_| {}).await;
+    let mut leader = fx.raw_session("-c fencing.token=34 -c fencing.resource=fq");
+    leader.send(&wire::query(
+        "INSERT INTO fq VALUES ('first'); COMMIT; \
+         /* fencing_token=33 */ INSERT INTO fq VALUES ('stale')",
+    ));
+    assert_stale(&leader.until_ready());
+    leader.send(&wire::query(
+        "SELECT 'rows'; /* fencing_token=33 */ INSERT INTO fq VALUES ('stale')",
+    ));
+    let replies = leader.until_ready();
+    assert!(
+        replies.iter().any(|m| m.tag == b'D'),
+        "the SELECT's row: {replies:?}"
+    );
+    assert_stale(&replies);
+    assert_eq!(fx.count("fq WHERE tag = 'first'").await, 1);
+    assert_eq!(fx.count("fq WHERE tag = 'stale'").await, 0);
+}
+
 /// The first error among `replies` is FN001, a stale token.
 fn assert_stale(replies: &[Msg]) {
     assert_eq!(

@@ -130,7 +130,11 @@ impl Session {
         if self.waits_for_replies(analysis) {
             return Ok(self.hold_until_answered());
         }
-        if self.fence.fast_path && analysis.may_write() && !checked_first {
+        // Only a Query of one statement: it stands for the whole Query, where one of several
+        // would drop the others, and with them what PostgreSQL runs before the stale write
+        // (an earlier transaction's COMMIT, a SAVEPOINT, a SELECT's rows). The check rejects
+        // those where their transaction commits.
+        if self.fence.fast_path && single.is_some() && analysis.may_write() && !checked_first {
             if let Some((resource, token, fence)) = self.fence.stale(
                 &self.tx.directives,
                 &analysis.directives,
