@@ -270,7 +270,7 @@ pub struct Analysis {
     pub directives: Vec<Directive>,
     /// Whether the session's `fencing.*` settings may have changed: an identifier, quoted
     /// identifier or literal mentions `fencing` (any case) or `set_config`, or a quoted one
-    /// holds a backslash (an escape could spell either), or a statement is `RESET ALL` or
+    /// holds a backslash or is a `U&` one (an escape could spell either), or a statement is `RESET ALL` or
     /// `DISCARD ALL`. Over-reports. A hint, not a guarantee: a function can call
     /// `set_config` too. Transaction control that undoes a `SET` or ends a `SET LOCAL`
     /// shows in the statement kinds instead.
@@ -422,6 +422,9 @@ fn mentions_fencing(kind: TokKind, text: &[u8]) -> bool {
     let escapes = match kind {
         TokKind::Ident if text.len() < FENCING.len() => return false,
         TokKind::Ident => false,
+        // `U&'...'` and `U&"..."` may spell anything with an escape character of their
+        // `UESCAPE`, not only with `\\` (a review: `SET U&"!0066encing.token" UESCAPE '!'`).
+        TokKind::QuotedIdent | TokKind::String if text.len() > 1 && text[1] == b'&' => return true,
         TokKind::QuotedIdent | TokKind::String => true,
         _ => return false,
     };

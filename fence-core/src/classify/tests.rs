@@ -859,6 +859,8 @@ fn mentions_fencing() {
         "SELECT $$fencing$$",
         "SELECT E'fenc\\x69ng.token'",
         "SET U&\"fenc\\0069ng\".token = 1",
+        "SET U&\"!0066encing.token\" UESCAPE '!' = 61",
+        "SELECT set_config(u&'!0066encing.token' uescape '!', '61', false)",
         "RESET ALL",
         "discard all",
     ] {
