@@ -3031,6 +3031,78 @@ async fn a_sql_execute_keeps_its_transactions_comment_token() {
     assert_eq!(fx.fence("exq").await, Some(35));
 }
 
+/// The comment directives of a statement prepared in SQL count at its `EXECUTE`, as those
+/// of one parsed in the extended protocol do at its Execute: a stale token in the text of
+/// a `PREPARE` once fenced nothing, and its `EXECUTE` committed (a review; older than stop
+/// 51). Where the `PREPARE` fails because the name is taken, the name keeps its statement's
+/// comments; after `DEALLOCATE` it takes the new ones.
+#[tokio::test]
+async fn a_comment_in_the_text_of_a_prepare_counts_at_its_execute() {
+    let (fx, _) = Fixture::after_leader_34("pp", |c| c.fence.fast_path = false).await;
+    let c33 = "/* fencing_token=33 fencing_resource=pp */";
+    let stale = fx.session(SUPERUSER, None).await;
+    stale
+        .simple(&format!(
+            "PREPARE w AS INSERT INTO pp VALUES ('stale w') {c33}"
+        ))
+        .await
+        .unwrap();
+    for sql in [
+        "EXECUTE w".to_owned(),
+        "BEGIN; EXECUTE w; COMMIT".to_owned(),
+        format!("PREPARE w2 AS INSERT INTO pp VALUES ('stale w2') {c33}; EXECUTE w2"),
+    ] {
+        assert_eq!(
+            sqlstate(&stale.simple(&sql).await).as_deref(),
+            Some("FN001"),
+            "{sql}"
+        );
+    }
+    let mut raw = fx.raw_session("");
+    raw.send(
+        &[
+            wire::query(format!(
+                "PREPARE w AS INSERT INTO pp VALUES ('stale raw') {c33}"
+            )),
+            pbe("EXECUTE w"),
+            wire::sync(),
+            // Taken by a statement parsed in the extended protocol: the PREPARE fails.
+            wire::parse(
+                "w3",
+                format!("INSERT INTO pp VALUES ('stale w3') {c33}"),
+                &[],
+            ),
+            wire::sync(),
+            wire::query("PREPARE w3 AS SELECT 1"),
+            wire::query("EXECUTE w3"),
+        ]
+        .concat(),
+    );
+    raw.until_ready();
+    assert_stale(&raw.until_ready());
+    raw.until_ready();
+    assert_eq!(first_error(&raw.until_ready()).as_deref(), Some("42P05"));
+    assert_stale(&raw.until_ready());
+    assert_eq!(
+        fx.count("pp WHERE tag <> 'leader 34'").await,
+        0,
+        "a stale PREPARE's EXECUTE committed"
+    );
+
+    // The leader's statement of a name prepared again after `DEALLOCATE`.
+    let leader = fx.session(SUPERUSER, None).await;
+    leader
+        .simple(&format!(
+            "PREPARE v AS INSERT INTO pp VALUES ('old') {c33}; DEALLOCATE v; \
+             PREPARE v AS INSERT INTO pp VALUES ('leader 35') \
+             /* fencing_token=35 fencing_resource=pp */"
+        ))
+        .await
+        .unwrap();
+    leader.simple("EXECUTE v").await.unwrap();
+    assert_eq!(fx.fence("pp").await, Some(35));
+}
+
 /// The fast path answers for a Query of one statement only: a Query of several once lost,
 /// with its stale write, what PostgreSQL runs before it (an earlier transaction's `COMMIT`,
 /// a `SELECT`'s rows), since the rejection stood for the whole text (a review; older than

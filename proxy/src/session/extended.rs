@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use fence_core::classify::StatementKind;
+use fence_core::directive::Directive;
 use fence_core::lexer::{LexOptions, Lexer, TokKind};
 
 use crate::error::SessionError;
@@ -39,8 +40,12 @@ pub(super) fn prepared_in_sql(sql: &[u8], options: LexOptions) -> PreparedInSql 
     else {
         return PreparedInSql::No; // a syntax error
     };
-    let text = name.text(sql);
-    let spelled: Option<Vec<u8>> = match name.kind {
+    spelled_name(name.kind, name.text(sql))
+}
+
+/// A statement name as the server spells it, from its token (see [`prepared_in_sql`]).
+fn spelled_name(kind: TokKind, text: &[u8]) -> PreparedInSql {
+    let spelled: Option<Vec<u8>> = match kind {
         // Folded to lower case; PostgreSQL may fold bytes >= 0x80 too, in single-byte
         // encodings.
         TokKind::Ident if text.is_ascii() => Some(text.to_ascii_lowercase()),
@@ -110,6 +115,59 @@ impl Session {
         })
     }
 
+    /// A SQL `PREPARE` of this name went upstream, its text's comments `directives`: a SQL
+    /// `EXECUTE` of the name brings them into its transaction, as an Execute does those of a
+    /// statement parsed in the extended protocol. Where the name is taken (the `PREPARE`
+    /// fails, 42P05), it keeps those of the statement it has. A comment token in the text
+    /// of a `PREPARE` once fenced nothing at its `EXECUTE` (a review).
+    pub(super) fn note_prepare_in_sql(
+        &mut self,
+        prepares: &PreparedInSql,
+        directives: &[Directive],
+    ) {
+        if let PreparedInSql::Name(name) = prepares {
+            if let Some(old) = self.statements.get(name) {
+                let kept = old.analysis.directives.clone().into_boxed_slice();
+                self.sql_directives.insert(name.clone(), kept);
+            } else if !self.sql_directives.contains_key(name) {
+                self.sql_directives.insert(name.clone(), directives.into());
+            }
+        }
+        self.forget_prepared_in_sql(prepares);
+    }
+
+    /// The comment directives of the statement a SQL `EXECUTE` (`text`) runs, as far as
+    /// pgfence knows them (see [`Session::note_prepare_in_sql`]).
+    pub(super) fn executed_directives(&self, text: &[u8]) -> &[Directive] {
+        let PreparedInSql::Name(name) = prepared_in_sql(text, self.lex) else {
+            return &[];
+        };
+        match self.statements.get(&name) {
+            Some(p) => &p.analysis.directives,
+            None => self.sql_directives.get(&name).map_or(&[], |d| &d[..]),
+        }
+    }
+
+    /// A SQL `DEALLOCATE` or `DISCARD` (`text`) went upstream: the names it drops are free
+    /// for a `PREPARE` again (every name for `DISCARD` and `DEALLOCATE ALL`, or where
+    /// pgfence cannot spell the name).
+    pub(super) fn deallocated_in_sql(&mut self, text: &[u8]) {
+        let mut words = Lexer::with_options(text, self.lex)
+            .filter(|t| !matches!(t.kind, TokKind::Comment { .. }));
+        let deallocate = words
+            .next()
+            .is_some_and(|t| t.text(text).eq_ignore_ascii_case(b"deallocate"));
+        let name = words
+            .find(|t| !(t.kind == TokKind::Ident && t.text(text).eq_ignore_ascii_case(b"prepare")))
+            .map(|t| spelled_name(t.kind, t.text(text)));
+        match name {
+            Some(PreparedInSql::Name(name)) if deallocate && &*name != b"all" => {
+                self.sql_directives.remove(&name);
+            }
+            _ => self.sql_directives.clear(),
+        }
+    }
+
     /// A SQL `PREPARE` of this name went upstream (see [`prepared_in_sql`]): pgfence no
     /// longer knows what the name runs.
     pub(super) fn forget_prepared_in_sql(&mut self, prepared: &PreparedInSql) {
@@ -158,7 +216,11 @@ impl Session {
                 PreparedInSql::Unknown
             }
         };
-        self.forget_prepared_in_sql(&hidden);
+        let directives = match &hidden {
+            PreparedInSql::Name(_) => self.executed_directives(text).to_vec(),
+            _ => Vec::new(),
+        };
+        self.note_prepare_in_sql(&hidden, &directives);
     }
 
     /// Whether a SQL `EXECUTE` (`text`, one statement) may end its transaction. SQL
@@ -449,10 +511,15 @@ impl Session {
             }
             self.last_sql = Some(Remembered::Prepared(p.clone()));
         }
+        // A SQL `EXECUTE`: the comment directives of what it runs.
+        let mut runs = None;
         if let Some(p) = &prepared {
-            self.forget_prepared_in_sql(&p.prepares);
+            if p.prepares != PreparedInSql::No {
+                self.note_prepare_in_sql(&p.prepares, &p.analysis.directives);
+            }
             if executes_in_sql(p) {
                 if let Some(first) = p.analysis.statements.first() {
+                    runs = Some(self.executed_directives(first.text(&p.sql)).to_vec());
                     self.executed_in_sql(first.text(&p.sql));
                 }
             }
@@ -493,6 +560,9 @@ impl Session {
                 }
             }
             self.tx.add_directives(&p.analysis.directives);
+            if let Some(runs) = &runs {
+                self.tx.add_directives(runs);
+            }
         }
         if matches!(
             kind,

@@ -3,6 +3,7 @@
 //! a statement that cannot run in a transaction block, or ends a batch's transaction.
 
 use fence_core::classify::{Analysis, StatementKind};
+use fence_core::directive::Directive;
 use fence_core::lexer::{is_keyword, LexOptions, Lexer, TokKind};
 
 use crate::error::SessionError;
@@ -85,9 +86,9 @@ impl Session {
         if self.fence.enabled && analysis.body_in_doubt {
             return Err(SessionError::AtomicBodyInDoubt);
         }
-        self.note_query(sql, &analysis);
+        let executed = self.note_query(sql, &analysis);
         if self.fence.enabled {
-            self.resolve_sql_executes(sql, &mut analysis);
+            self.resolve_sql_executes(sql, &mut analysis, executed);
         }
         let analysis = &analysis;
         if analysis.statements.iter().any(|s| s.changes_schema) {
@@ -227,13 +228,39 @@ impl Session {
     }
 
     /// A SQL `EXECUTE` that cannot end its transaction (see [`Session::execute_may_end`])
-    /// is planned as the statement that may write it runs, not as a possible `COMMIT`.
-    fn resolve_sql_executes(&self, sql: &[u8], analysis: &mut Analysis) {
+    /// is planned as the statement that may write it runs, not as a possible `COMMIT`; and
+    /// the comment directives of what it runs (`executed`, see [`Session::note_query`])
+    /// count as its own.
+    fn resolve_sql_executes(
+        &self,
+        sql: &[u8],
+        analysis: &mut Analysis,
+        executed: Vec<(usize, Box<[Directive]>)>,
+    ) {
         for st in analysis.statements.iter_mut() {
             if st.kind == StatementKind::Execute && !self.execute_may_end(st.text(sql)) {
                 st.kind = StatementKind::MayWrite;
             }
         }
+        if executed.is_empty() {
+            return;
+        }
+        let old = std::mem::take(&mut analysis.directives);
+        let mut directives = Vec::with_capacity(old.len() + executed.len());
+        let mut executed = executed.into_iter().peekable();
+        let (mut copied, mut added) = (0, 0);
+        for (i, st) in analysis.statements.iter_mut().enumerate() {
+            let own = st.directives.clone();
+            directives.extend_from_slice(&old[copied..own.end]);
+            copied = own.end;
+            let runs = executed.next_if(|(at, _)| *at == i).map(|(_, d)| d);
+            let more = runs.as_ref().map_or(0, |d| d.len());
+            directives.extend(runs.into_iter().flat_map(Vec::from));
+            st.directives = own.start + added..own.end + added + more;
+            added += more;
+        }
+        directives.extend_from_slice(&old[copied..]);
+        analysis.directives = directives;
     }
 
     /// After a Query's statements: its directives live on only in a block still open.
@@ -246,22 +273,35 @@ impl Session {
     }
 
     /// What a Query changes whether or not the fence is on: the text kept for rejection
-    /// logs, and the prepared statements it drops or replaces. (What a check is owed for,
-    /// `last_write`, is kept once the Query goes on: see `Session::on_query`.)
-    fn note_query(&mut self, sql: &[u8], analysis: &Analysis) {
+    /// logs, and the prepared statements it drops or replaces, statement by statement.
+    /// (What a check is owed for, `last_write`, is kept once the Query goes on: see
+    /// `Session::on_query`.) Returns, for each SQL `EXECUTE` whose statement has comment
+    /// directives, its index and those directives.
+    fn note_query(&mut self, sql: &[u8], analysis: &Analysis) -> Vec<(usize, Box<[Directive]>)> {
         Remembered::query(&mut self.last_sql, sql);
-        for statement in analysis.statements.iter() {
+        let mut executed = Vec::new();
+        for (i, statement) in analysis.statements.iter().enumerate() {
             match statement.kind {
-                StatementKind::Discard => self.fence.dropping_prepared(),
-                StatementKind::Execute => self.executed_in_sql(statement.text(sql)),
+                StatementKind::Discard => {
+                    self.fence.dropping_prepared();
+                    self.deallocated_in_sql(statement.text(sql));
+                }
+                StatementKind::Execute => {
+                    let text = statement.text(sql);
+                    let runs = self.executed_directives(text);
+                    if !runs.is_empty() {
+                        executed.push((i, runs.into()));
+                    }
+                    self.executed_in_sql(text);
+                }
+                _ if statement.prepares_in_sql => self.note_prepare_in_sql(
+                    &prepared_in_sql(statement.text(sql), self.lex),
+                    &analysis.directives[statement.directives.clone()],
+                ),
                 _ => {}
             }
         }
-        if analysis.prepares_in_sql {
-            for statement in analysis.statements.iter().filter(|s| s.prepares_in_sql) {
-                self.forget_prepared_in_sql(&prepared_in_sql(statement.text(sql), self.lex));
-            }
-        }
+        executed
     }
 
     /// Keeps a Query's text as what a check is owed for, if it is (`owes`, see
