@@ -881,6 +881,7 @@ fn pgfence_memory_stays_bounded() {
     let cluster = PgCluster::start();
     let mut config = Proxy::config_for(&cluster);
     config.pool.reuse_servers = false;
+    config.admin.users = vec![SUPERUSER.into()];
     let proxy = ProxyProcess::builder()
         .config(config)
         .args(["--config", "{config}"])
@@ -890,29 +891,37 @@ fn pgfence_memory_stays_bounded() {
     warm.until_ready();
     let base = rss_kib(proxy.pid());
 
-    // Syncs for 4 s, no reply read.
-    let (flood, _) = RawConn::login(proxy.addr(), SUPERUSER, APP_DB);
-    let mut socket = flood.try_clone_stream();
-    socket
-        .set_write_timeout(Some(Duration::from_millis(200)))
-        .unwrap();
-    let syncs = wire::sync().repeat(13_000);
-    let until = Instant::now() + Duration::from_secs(4);
-    let mut sent = 0usize;
-    while Instant::now() < until {
-        match socket.write(&syncs) {
-            Ok(n) => sent += n,
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
-            Err(e) => panic!("after {sent} bytes of Syncs: {e}"),
+    // Syncs for 4 s, no reply read; then the same to the admin console, which answers
+    // by itself (a review once grew pgfence past 2 GB that way), and `SHOW CONFIG`s.
+    for (database, what, message) in [
+        (APP_DB, "Syncs", wire::sync()),
+        ("pgfence", "Syncs to the console", wire::sync()),
+        ("pgfence", "SHOW CONFIGs", wire::query("SHOW CONFIG")),
+    ] {
+        let (flood, _) = RawConn::login(proxy.addr(), SUPERUSER, database);
+        let mut socket = flood.try_clone_stream();
+        socket
+            .set_write_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        let messages = message.repeat(65_000 / message.len());
+        let until = Instant::now() + Duration::from_secs(4);
+        let mut sent = 0usize;
+        while Instant::now() < until {
+            match socket.write(&messages) {
+                Ok(n) => sent += n,
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+                Err(e) => panic!("after {sent} bytes of {what}: {e}"),
+            }
         }
+        let grown = rss_kib(proxy.pid()).saturating_sub(base);
+        eprintln!("{sent} bytes of {what} unread: pgfence grew by {grown} KiB");
+        assert!(
+            grown < 32 * 1024,
+            "pgfence grew by {grown} KiB while a client sent {sent} bytes of {what} without \
+             reading"
+        );
+        drop((socket, flood));
     }
-    let grown = rss_kib(proxy.pid()).saturating_sub(base);
-    eprintln!("{sent} bytes of Syncs unread: pgfence grew by {grown} KiB");
-    assert!(
-        grown < 32 * 1024,
-        "pgfence grew by {grown} KiB while a client sent {sent} bytes of Syncs without reading"
-    );
-    drop((socket, flood));
 
     // A 50 MB row and a 50 MB Query, then the session idles.
     let (mut big, _) = RawConn::login(proxy.addr(), SUPERUSER, APP_DB);

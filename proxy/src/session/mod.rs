@@ -831,9 +831,13 @@ impl Session {
             {
                 return Err(self.say_goodbye(&mut cw, stop.reason()).await);
             }
+            // Not while the client's own replies pile up (it does not read): the admin
+            // console answers without the server, and a flood of `SHOW CONFIG` once grew
+            // the process past 2 GB.
             let read_client = client_open
                 && self.reads_client()
                 && self.to_server.len() < HIGH_WATER
+                && self.to_client.len() < HIGH_WATER
                 && self.replies.len() < MAX_OWED_REPLIES;
             let read_server = self.to_client.len() < HIGH_WATER;
             if self.replies.is_empty() {
