@@ -2640,7 +2640,65 @@ async fn a_query_after_a_flushed_bind_prepares_nothing_before_it() {
     conn.send(&wire::query("SELECT 1"));
     let replies = conn.until_ready();
     assert_stale(&replies);
+    // Queries pgfence plans no check of their own for (an empty one, a lone block-sensitive
+    // statement, `DISCARD ALL`): the batch's write is checked before them (a review found
+    // each committing it; older than stop 51).
+    for query in ["", "/* hi */", "DISCARD ALL", "SET LOCAL work_mem = '5MB'"] {
+        conn.send(
+            &[
+                wire::bind("", "d", &[Some(b"stale flushed bind")]),
+                wire::flush(),
+            ]
+            .concat(),
+        );
+        conn.until(|m| m.tag == b'2');
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        conn.send(&wire::query(query));
+        assert_stale(&conn.until_ready());
+    }
     assert_no_stale_bind_write(&fx).await;
+}
+
+/// A comment token ends with its transaction also where pgfence cannot tell whether a
+/// statement ended it: an Executed `DO` or `CALL` that commits inside, and a SQL `EXECUTE`
+/// of a `COMMIT` parsed in the extended protocol. The current token on a read before them
+/// once fenced a stale session's write after them (a review; older than stop 51).
+#[tokio::test]
+async fn a_comment_token_ends_where_a_statement_of_the_batch_may_end_its_transaction() {
+    let (fx, stale) = Fixture::after_leader_34("ct", |_| {}).await;
+    fx.direct
+        .batch_execute(
+            "CREATE PROCEDURE ct_pc(t text) LANGUAGE plpgsql AS \
+             $$ BEGIN COMMIT; INSERT INTO ct VALUES (t); END $$",
+        )
+        .await
+        .unwrap();
+    let read = "/* fencing_token=34 fencing_resource=ct */ SELECT 1";
+    for (case, ends) in [
+        ("DO", "DO $$ BEGIN ROLLBACK; END $$"),
+        ("CALL", "CALL ct_pc('stale call')"),
+        ("EXECUTE", "EXECUTE c"),
+    ] {
+        let mut conn = fx.raw_session(&stale);
+        conn.send(&[wire::parse("c", "COMMIT", &[]), wire::sync()].concat());
+        conn.until_ready();
+        conn.send(
+            &[
+                pbe(read),
+                pbe(ends),
+                pbe(&format!("INSERT INTO ct VALUES ('stale {case}')")),
+                wire::sync(),
+            ]
+            .concat(),
+        );
+        let replies = conn.until_ready();
+        assert_stale(&replies);
+    }
+    assert_eq!(
+        fx.count("ct WHERE tag LIKE 'stale%'").await,
+        0,
+        "a stale write after a statement that ended its transaction committed"
+    );
 }
 
 /// A `VACUUM` Query inside a batch, behind an Executed `COMMIT` of it and a Bind that

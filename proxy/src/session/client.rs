@@ -333,12 +333,15 @@ impl Session {
     }
 
     /// Whether a Query or FunctionCall sent now lands inside an extended-protocol batch,
-    /// before its Sync: an Execute was sent since the last sync point, or requests of a
-    /// batch are in flight behind it. The server runs such a message in the batch's
+    /// before its Sync: an Execute or a Bind was sent since the last sync point (a Bind
+    /// starts the implicit transaction, and its parameters' conversion may write: a Query
+    /// pgfence planned no check for once committed such a write after a flushed Bind), or
+    /// requests of a batch are in flight behind it. The server runs such a message in the batch's
     /// implicit transaction and commits it at the message's end, with what the batch wrote
     /// before it (unless a block is open).
     fn inside_batch(&self) -> bool {
         self.tx.batch_has_execute
+            || self.tx.batch_has_bind
             || (!self.replies.is_empty() && !self.replies.ends_at_sync_point())
     }
 

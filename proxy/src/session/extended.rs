@@ -587,17 +587,27 @@ impl Session {
             // unknown), since the transaction goes on. So for a portal pgfence does not
             // know, which may be a `CALL`: a check that is not forced passes while the
             // transaction has written nothing yet, and the `CALL` then commits unchecked.
+            // Only its own comment directives go on: what it writes after a `COMMIT` of its
+            // own is in a new transaction, which the earlier statements' comments are not
+            // for (they once fenced a stale write after a `DO` that committed, with the
+            // current token of a read before it).
             self.tx.view = View::Unknown;
-            let directives = self.tx.directives.clone();
             self.inject_check(true);
-            self.tx.directives = directives;
-        } else if kind == StatementKind::Execute && self.tx.commit_needs_check() {
+            if let Some(p) = &prepared {
+                self.tx.add_directives(&p.analysis.directives);
+            }
+        } else if kind == StatementKind::Execute {
             // Checked as if it committed. Most likely it does not, and the transaction goes
             // on: the check closes its portal, so that the next check can bind it again.
             // And if the check fails, the block stays failed, as after a statement that
-            // failed (not ended as after a COMMIT, see `CommitCheck`).
-            self.tx.view = View::Unknown;
-            self.inject_check(false);
+            // failed (not ended as after a COMMIT, see `CommitCheck`). The comment
+            // directives end with it, as at a `COMMIT`, also where nothing was written to
+            // check (they once fenced a stale write after an `EXECUTE` of a `COMMIT`).
+            if self.tx.commit_needs_check() {
+                self.tx.view = View::Unknown;
+                self.inject_check(false);
+            }
+            self.tx.directives.clear();
         }
         if prepared
             .as_deref()
