@@ -249,7 +249,8 @@ pub struct Limits {
     #[serde(with = "humantime_serde")]
     pub startup_timeout: Duration,
     /// How long connecting to the upstream may take (for a session, or to forward a cancel
-    /// request, TLS handshake included). Default `10s`.
+    /// request, TLS handshake included), and how long the server may take to answer a
+    /// session's startup packet. Default `10s`.
     #[serde(with = "humantime_serde")]
     pub connect_timeout: Duration,
     /// On SIGTERM, how long sessions may take to finish before they are closed. Default `30s`.
@@ -778,6 +779,16 @@ impl Config {
         }
         if self.limits.max_message_size < 1024 {
             return invalid("limits.max_message_size must be at least 1024 bytes".into());
+        }
+        // Zero would refuse every client (its startup packet, its server's first reply)
+        // at once: a reload once took such a value and shut everyone out, the console too.
+        for (name, value) in [
+            ("startup_timeout", self.limits.startup_timeout),
+            ("connect_timeout", self.limits.connect_timeout),
+        ] {
+            if value < Duration::from_millis(100) {
+                return invalid(format!("limits.{name} must be at least 100ms"));
+            }
         }
         // Linux's bounds (TCP_KEEPIDLE and TCP_KEEPINTVL up to 32767 s, TCP_KEEPCNT up to
         // 127): a value the kernel refuses would fail every connection.

@@ -57,6 +57,16 @@ fn keepalive_timing_is_optional_and_checked() {
     }
 }
 
+/// Timeouts that would refuse every client at once (a reload once took `0s`).
+#[test]
+fn zero_timeouts_are_refused() {
+    for bad in ["startup_timeout = \"0s\"", "connect_timeout = \"10ms\""] {
+        let config: Config = toml::from_str(&format!("[limits]\n{bad}\n")).unwrap();
+        let err = config.validate().unwrap_err().to_string();
+        assert!(err.contains("at least 100ms"), "{bad}: {err}");
+    }
+}
+
 #[test]
 fn bad_resource_names_are_rejected() {
     let config: Config = toml::from_str("[fence.resources.\"bad name\"]\n").unwrap();

@@ -293,9 +293,9 @@ pub fn answer(shared: &Shared, admin: &str, sql: &[u8], out: &mut BytesMut) -> A
                 info!(
                     client_id = id,
                     client = %client.addr,
-                    user = %client.user,
-                    database = %client.database,
-                    application_name = %client.application_name,
+                    user = client.user.as_str(),
+                    database = client.database.as_str(),
+                    application_name = client.application_name.as_str(),
                     backend_pid = client.backend_pid,
                     admin,
                     "KILL_CLIENT: ending the session"

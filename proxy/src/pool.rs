@@ -218,8 +218,8 @@ impl ServerPool {
         for parked in ended {
             info!(
                 backend_pid = parked.info.backend_pid,
-                user = %parked.info.user,
-                database = %parked.info.database,
+                user = parked.info.user.as_str(),
+                database = parked.info.database.as_str(),
                 "an idle server connection was closed by the server (restart, crash or \
                  termination); it is no longer kept"
             );

@@ -501,6 +501,20 @@ fn encryption_requests_are_declined_then_startup_works() {
         let rows: Vec<_> = replies.iter().filter_map(|m| m.data_row()).collect();
         assert_eq!(rows, vec![vec![Some(b"plain".to_vec())]]);
     }
+    // A second request of one kind is refused as the version it spells, as PostgreSQL
+    // does, not declined again until the startup timeout (a review).
+    for (request, version) in [
+        (wire::ssl_request(), "1234.5679"),
+        (wire::gssenc_request(), "1234.5680"),
+    ] {
+        let mut conn = RawConn::connect(proxy.addr());
+        conn.send(&request);
+        assert_eq!(conn.read_bytes(1), b"N");
+        conn.send(&request);
+        let replies = conn.until_closed();
+        let message = assert_error(&replies[0], "FATAL", "0A000");
+        assert!(message.contains(version), "{message}");
+    }
 
     // And as real clients ask for it.
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -613,6 +627,97 @@ fn login_refused_upstream(addr: SocketAddr) -> String {
     let replies = conn.until_closed();
     assert_eq!(replies.len(), 1, "{replies:?}");
     assert_error(&replies[0], "FATAL", "08006")
+}
+
+/// An upstream that accepts connections and says nothing: a client's login ends with
+/// FATAL 08006 after `limits.connect_timeout`, rather than hold both connections for good
+/// (a review found them in CLOSE-WAIT, the client slots all taken). And what a client names
+/// itself is logged escaped: a database name with a line break forges no log line.
+#[test]
+fn a_silent_upstream_ends_the_login_and_names_stay_on_their_line() {
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = silent.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for conn in silent.incoming() {
+            held.push(conn);
+        }
+    });
+    let mut config = pgfence_config::Config::default();
+    config.upstream.port = port;
+    config.limits.connect_timeout = Duration::from_secs(1);
+    let proxy = ProxyProcess::builder()
+        .config(config)
+        .args(["--config", "{config}"])
+        .start();
+    let message = login_refused_upstream(proxy.addr());
+    assert!(
+        message.contains("no reply to the startup packet"),
+        "{message}"
+    );
+
+    let mut conn = RawConn::connect(proxy.addr());
+    conn.send(&wire::startup_version(
+        wire::PROTOCOL_3_0,
+        &[
+            ("user", b"postgres"),
+            ("database", b"db\nFORGED line"),
+            ("replication", b"true"),
+        ],
+    ));
+    conn.until_closed();
+    let logs = proxy.logs();
+    assert!(logs.contains("replication connection"), "{logs}");
+    assert!(!logs.lines().any(|l| l.starts_with("FORGED")), "{logs}");
+}
+
+/// What a client sent before it left runs, as on PostgreSQL: a pipelined `COMMIT` behind a
+/// Terminate, or behind the end of what the client sends (a half-closed socket, whose
+/// replies it still reads). pgfence once closed the server connection at once, and the
+/// backend died before it read the `COMMIT` (a review; older than stop 51).
+#[test]
+fn what_a_client_sent_before_it_left_still_runs() {
+    let cluster = PgCluster::start();
+    install_fence(&cluster);
+    cluster.psql(APP_DB, "CREATE TABLE left_behind (tag text)");
+    let proxy = proxy_for(&cluster);
+    let pipeline = |tag: &str| {
+        [
+            wire::query("BEGIN"),
+            wire::query(format!("INSERT INTO left_behind VALUES ('{tag}')")),
+            wire::query("SELECT pg_sleep(0.2)"),
+            wire::query("COMMIT"),
+        ]
+        .concat()
+    };
+    // Terminate behind it, the socket left open and unread.
+    let (mut terminated, _) = RawConn::login(proxy.addr(), SUPERUSER, APP_DB);
+    terminated.send(&[pipeline("terminated"), wire::terminate()].concat());
+    // Half-closed: every reply still comes.
+    let (mut half, _) = RawConn::login(proxy.addr(), SUPERUSER, APP_DB);
+    half.send(&pipeline("half-closed"));
+    half.try_clone_stream()
+        .shutdown(std::net::Shutdown::Write)
+        .unwrap();
+    let replies = half.until_closed();
+    assert_eq!(
+        replies.iter().filter(|m| m.tag == b'Z').count(),
+        4,
+        "{replies:?}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let rows = cluster.psql(
+            APP_DB,
+            "SELECT string_agg(tag, ',' ORDER BY tag) FROM left_behind",
+        );
+        if rows.trim() == "half-closed,terminated" {
+            break;
+        }
+        assert!(Instant::now() < deadline, "committed: {rows:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(terminated);
 }
 
 #[test]
@@ -793,8 +898,8 @@ fn a_session_that_panics_gets_fatal_xx000_and_the_others_go_on() {
     assert!(
         logs.lines()
             .any(|l| l.contains("pgfence bug: a session panicked")
-                && l.contains("user=postgres")
-                && l.contains("database=app")),
+                && l.contains("user=\"postgres\"")
+                && l.contains("database=\"app\"")),
         "{logs}"
     );
     bystanders.finish(&cluster);

@@ -759,11 +759,22 @@ impl Session {
         );
         self.shared.stats.rejections.fetch_add(1, Ordering::Relaxed);
         // A name that is not a resource is the client's text: as a label, any client could
-        // make new series without end. The log and SHOW REJECTIONS keep the text.
-        let label = if resource.is_empty() || Resource::parse(resource.as_bytes()).is_ok() {
+        // make new series without end. So is a valid name with no fence behind it (a
+        // missing token): only one configured, a default, or with a fence this pgfence
+        // knows of is a label of its own (a review added 80,000 series with comments
+        // naming new resources). The log and SHOW REJECTIONS keep the text.
+        let label = if resource.is_empty() {
             resource.clone()
-        } else {
+        } else if Resource::parse(resource.as_bytes()).is_err() {
             INVALID_RESOURCE_LABEL.to_string()
+        } else if rejection.reason == fence_core::rejection::Reason::Missing
+            && !self.shared.config().fence.resources.contains_key(&resource)
+            && self.fence.default_resource.as_deref() != Some(resource.as_str())
+            && self.known_fences().get(&resource).is_none()
+        {
+            UNKNOWN_RESOURCE_LABEL.to_string()
+        } else {
+            resource.clone()
         };
         let metrics = &self.shared.metrics;
         metrics
@@ -806,6 +817,10 @@ impl Session {
 
 /// The `resource` label of rejections whose resource name is not valid (FN003).
 pub const INVALID_RESOURCE_LABEL: &str = "(invalid)";
+
+/// The `resource` label of missing-token rejections (FN002) for a resource that is neither
+/// configured nor a default, and has no fence pgfence knows of.
+pub const UNKNOWN_RESOURCE_LABEL: &str = "(unknown)";
 
 /// The first `max` characters of `s`.
 pub fn truncate_chars(s: &str, max: usize) -> String {

@@ -101,7 +101,12 @@ impl Session {
                         stop: self.stop.clone(),
                     },
                 );
-                debug!(user = %self.user, database = %self.database, backend_pid = self.backend_pid, "session ready");
+                debug!(
+                    user = self.user.as_str(),
+                    database = self.database.as_str(),
+                    backend_pid = self.backend_pid,
+                    "session ready"
+                );
             }
             b'S' => {
                 self.on_parameter_status(frame)?;

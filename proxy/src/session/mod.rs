@@ -381,8 +381,8 @@ async fn run_session(
     if replication && !admin {
         info!(
             client = %peer,
-            user = %startup.user(),
-            database = %startup.database(),
+            user = startup.user().as_str(),
+            database = startup.database().as_str(),
             "replication connection: passed through without the fence, and not kept"
         );
     }
@@ -795,6 +795,11 @@ impl Session {
         // A buffer may have grown past `READ_CHUNK` since the last look (see
         // `shrink_when_empty`), which costs a call per buffer: looked for only then.
         let mut outgrown = self.outgrown();
+        // The client left (Terminate, or the end of what it sends) with replies owed: the
+        // session stays for them, as PostgreSQL runs what a client sent before it left (a
+        // pipelined COMMIT included), for at most `limits.shutdown_timeout`.
+        let mut owed_when_left: Option<tokio_util::task::AbortOnDropHandle<()>> = None;
+        let mut flushed_when_left = false;
         loop {
             if client_pending && cancels.busy() {
                 // What the client sends while one of its cancels is on its way waits for it
@@ -806,6 +811,7 @@ impl Session {
                 client_pending = false;
                 let flow = self.guarded(|s| s.on_client_bytes(&mut cbuf));
                 outgrown |= self.outgrown();
+                flushed_when_left = false;
                 match flow {
                     Ok(Flow::Terminate) => client_open = false,
                     // Copy data the client sent along with the Query it paused at.
@@ -818,9 +824,27 @@ impl Session {
             // the session stays until the answer forwards it, so that the statement behind
             // the question is cancelled (and does not commit), as directly.
             if !client_open && self.to_server.is_empty() && !cancels.cancel_held() {
-                // Part of a message the client never finished: not a clean goodbye.
-                self.client_left_mid_message = !cbuf.is_empty();
-                return Ok(());
+                if !self.answers_after_client_left() {
+                    // Part of a message the client never finished: not a clean goodbye.
+                    self.client_left_mid_message = !cbuf.is_empty();
+                    return Ok(());
+                }
+                if owed_when_left.is_none() {
+                    let stop = stop.clone();
+                    let grace = self.shared.config().limits.shutdown_timeout;
+                    owed_when_left = Some(tokio_util::task::AbortOnDropHandle::new(tokio::spawn(
+                        async move {
+                            tokio::time::sleep(grace).await;
+                            stop.drain.cancel();
+                            stop.kill.cancel();
+                        },
+                    )));
+                }
+                if !flushed_when_left && !self.replies.ends_at_sync_point() {
+                    // What the server holds back until a Sync or a Flush.
+                    crate::protocol::message::flush(&mut self.to_server);
+                }
+                flushed_when_left = true;
             }
             if draining
                 && self.phase == Phase::Ready
@@ -965,9 +989,9 @@ impl Session {
         let panic = crate::error::panic_message(payload);
         error!(
             client = %self.client_addr,
-            user = %self.user,
-            database = %self.database,
-            application_name = %self.application_name,
+            user = self.user.as_str(),
+            database = self.database.as_str(),
+            application_name = self.application_name.as_str(),
             backend_pid = self.backend_pid,
             panic,
             "pgfence bug: a session panicked; it ends with FATAL XX000 and its server connection is closed"
@@ -1042,6 +1066,16 @@ impl Session {
 
     /// Whether client messages are read and handled now.
     #[inline]
+    /// Whether the server still owes replies to what the client sent before it left, and
+    /// will send them without more from the client (not in `COPY FROM STDIN`, which waits
+    /// for its data: PostgreSQL ends that at the client's end of file).
+    fn answers_after_client_left(&self) -> bool {
+        self.phase == Phase::Ready
+            && !self.replies.is_empty()
+            && self.copy_in == CopyIn::None
+            && self.copy_from_client == CopyFromClient::None
+    }
+
     fn reads_client(&self) -> bool {
         self.hold != Hold::Waiting || self.copy_through
     }

@@ -14,7 +14,7 @@ use crate::error::SessionError;
 use crate::net::{ClientAddr, Stream};
 use crate::protocol::message::error_fields;
 use crate::protocol::next_frame;
-use crate::protocol::startup::{next_startup, Startup, StartupPacket};
+use crate::protocol::startup::{next_startup, Startup, StartupError, StartupPacket};
 use crate::state::Shared;
 
 use super::{Stop, READ_CHUNK, SERVER_MAX_MESSAGE};
@@ -151,7 +151,7 @@ pub(super) async fn accept(
         let cn = client_cn.clone().unwrap_or_default();
         if cn != startup.user() {
             let user = startup.user();
-            info!(client = %peer, %user, certificate_cn = %cn, "client certificate is not for the user");
+            info!(client = %peer, user = user.as_str(), certificate_cn = cn.as_str(), "client certificate is not for the user");
             return tell_client(
                 &mut client,
                 SessionError::CertificateUserMismatch { user, cn },
@@ -235,12 +235,20 @@ pub(super) async fn first_reply(
             if sbuf.capacity() - sbuf.len() < 1024 {
                 sbuf.reserve(READ_CHUNK);
             }
-            if server
-                .read_buf(sbuf)
-                .await
-                .map_err(SessionError::ServerIo)?
-                == 0
-            {
+            // A server that accepted the connection and says nothing (PostgreSQL's own
+            // `authentication_timeout` bounds a client's login): the client is told, and
+            // the session ends, rather than hold both connections for good.
+            let read =
+                crate::deadline::timeout(config.limits.connect_timeout, server.read_buf(sbuf))
+                    .await
+                    .map_err(|_| SessionError::UpstreamConnect {
+                        upstream: config.upstream.to_string(),
+                        reason: format!(
+                            "no reply to the startup packet within {:?} (limits.connect_timeout)",
+                            config.limits.connect_timeout
+                        ),
+                    })?;
+            if read.map_err(SessionError::ServerIo)? == 0 {
                 // The session's loop reports the closed connection (after what it said).
                 return Ok(server);
             }
@@ -290,6 +298,9 @@ pub(super) async fn read_startup(
     buf: &mut BytesMut,
     offer_tls: bool,
 ) -> Result<Opening, SessionError> {
+    // Each kind of request is answered once, as PostgreSQL does: a second one is refused
+    // as the protocol version it spells (1234.5679, 1234.5680), not declined without end.
+    let (mut ssl_declined, mut gss_declined) = (false, false);
     loop {
         // A TLS handshake record where a startup packet's length belongs (its first byte
         // would make a length of at least 369 MB).
@@ -311,6 +322,16 @@ pub(super) async fn read_startup(
                 }
                 if offer_tls && matches!(request, StartupPacket::SslRequest) {
                     return Ok(Opening::Tls { direct: false });
+                }
+                let (declined, minor) = match request {
+                    StartupPacket::SslRequest => (&mut ssl_declined, 5679),
+                    _ => (&mut gss_declined, 5680),
+                };
+                if std::mem::replace(declined, true) {
+                    return Err(SessionError::Startup(StartupError::Version {
+                        major: 1234,
+                        minor,
+                    }));
                 }
                 client
                     .write_all(b"N")

@@ -181,7 +181,7 @@ impl Session {
                         .saturating_add(u64::try_from(wait.as_nanos()).unwrap_or(u64::MAX)),
                 };
                 debug!(
-                    database = %self.database,
+                    database = self.database.as_str(),
                     sqlstate = %code,
                     error = %message,
                     retry_in = ?wait,
@@ -231,7 +231,7 @@ impl Session {
                 self.tx.check_reads = true;
                 if self.shared.first_report("reads may write", &self.database) {
                     info!(
-                        database = %self.database,
+                        database = self.database.as_str(),
                         "every transaction is checked in this database, reads too: its schema \
                          lets a read call a function of its own (SELECT * FROM \
                          pgfence.read_audit_objects() lists the objects)"
@@ -303,7 +303,7 @@ impl Session {
     fn warn_once(&self, what: &'static str, code: &str, error: &str, text: std::fmt::Arguments) {
         if self.shared.first_report(what, &self.database) {
             warn!(
-                database = %self.database,
+                database = self.database.as_str(),
                 sqlstate = %code,
                 error = %error,
                 "{text}"

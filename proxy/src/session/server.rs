@@ -460,7 +460,7 @@ impl Session {
         let database = &self.database;
         if self.shared.first_report_of_missing_schema(database) {
             tracing::warn!(
-                database = %database,
+                database = database.as_str(),
                 error = %String::from_utf8_lossy(message),
                 "writes through pgfence fail in this database: schema pgfence is missing or \
                  older than this pgfence; run `pgfence install --database {database}`"
