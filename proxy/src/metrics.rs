@@ -249,6 +249,13 @@ async fn answer(mut stream: TcpStream, metrics: &Metrics) -> std::io::Result<()>
             body.len()
         )
     };
-    stream.write_all(response.as_bytes()).await?;
-    stream.shutdown().await
+    // A scraper that does not read gets 10 s, as its request did 5: a hundred of them once
+    // held a gigabyte of rendered pages open.
+    let write = async {
+        stream.write_all(response.as_bytes()).await?;
+        stream.shutdown().await
+    };
+    tokio::time::timeout(Duration::from_secs(10), write)
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "response timeout"))?
 }
