@@ -2694,6 +2694,30 @@ async fn a_comment_token_ends_where_a_statement_of_the_batch_may_end_its_transac
         let replies = conn.until_ready();
         assert_stale(&replies);
     }
+    // An `EXECUTE` of transaction control that ends nothing (a `BEGIN` in a block, which
+    // only warns) keeps them: a session whose token is the comment's. (PostgreSQL 15 ends
+    // the session, XX000, at a `COMMIT` after an `EXECUTE` of a `SAVEPOINT` in one Query.)
+    let comment = "/* fencing_token=33 fencing_resource=ct */ SELECT 1";
+    let mut conn = fx.raw_session("");
+    conn.send(&[wire::parse("b", "BEGIN", &[]), wire::sync()].concat());
+    conn.until_ready();
+    conn.send(&wire::query(format!(
+        "BEGIN; {comment}; EXECUTE b; INSERT INTO ct VALUES ('stale begin query'); COMMIT"
+    )));
+    assert_stale(&conn.until_ready());
+    conn.send(
+        &[
+            wire::query("BEGIN"),
+            pbe(comment),
+            pbe("EXECUTE b"),
+            pbe("INSERT INTO ct VALUES ('stale begin batch')"),
+            wire::sync(),
+            wire::query("COMMIT"),
+        ]
+        .concat(),
+    );
+    let replies: Vec<Msg> = (0..3).flat_map(|_| conn.until_ready()).collect();
+    assert_stale(&replies);
     assert_eq!(
         fx.count("ct WHERE tag LIKE 'stale%'").await,
         0,
@@ -5017,18 +5041,19 @@ async fn the_fast_path_knows_only_fences_the_database_holds() {
         .expect("a fence no check reported");
 
     // The transaction's own advance: the check before an `EXECUTE` that may be a `COMMIT`
-    // (here a `SAVEPOINT` parsed in the extended protocol) accepts the comment's 60, and the
-    // check at COMMIT, with the session's 50, is rejected for it.
+    // (here a `BEGIN` parsed in the extended protocol) accepts the session's 60, and the
+    // check at COMMIT, with 50, is rejected for it.
     fx.leader("own", 50)
         .await
         .simple(&insert("own 50"))
         .await
         .unwrap();
     let mut raw = fx.raw_session("-c fencing.resource=own -c fencing.token=50");
-    raw.send(&[wire::parse("sp", "SAVEPOINT x", &[]), wire::sync()].concat());
+    raw.send(&[wire::parse("b", "BEGIN", &[]), wire::sync()].concat());
     raw.until_ready();
     raw.send(&wire::query(format!(
-        "BEGIN; /* fencing_token=60 */ {}; EXECUTE sp; {}; COMMIT",
+        "BEGIN; SET LOCAL fencing.token = 60; {}; EXECUTE b; SET LOCAL fencing.token = 50; \
+         {}; COMMIT",
         insert("own 60"),
         insert("own 50 again")
     )));

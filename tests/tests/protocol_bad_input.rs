@@ -680,7 +680,11 @@ fn what_a_client_sent_before_it_left_still_runs() {
     let cluster = PgCluster::start();
     install_fence(&cluster);
     cluster.psql(APP_DB, "CREATE TABLE left_behind (tag text)");
-    let proxy = proxy_for(&cluster);
+    // The binary: its worker runtimes have no tokio timer (see `pgfence::deadline`).
+    let proxy = ProxyProcess::builder()
+        .config(Proxy::config_for(&cluster))
+        .args(["--config", "{config}"])
+        .start();
     let pipeline = |tag: &str| {
         [
             wire::query("BEGIN"),
@@ -718,6 +722,8 @@ fn what_a_client_sent_before_it_left_still_runs() {
         std::thread::sleep(Duration::from_millis(100));
     }
     drop(terminated);
+    let logs = proxy.logs();
+    assert!(!logs.contains("pgfence bug"), "{logs}");
 }
 
 #[test]

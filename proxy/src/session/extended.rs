@@ -247,6 +247,29 @@ impl Session {
                 .is_some_and(|mut olds| olds.any(controls))
     }
 
+    /// Whether a SQL `EXECUTE` (`text`) that may end its transaction (see
+    /// [`Session::execute_may_end`]) surely does not: it runs transaction control parsed in
+    /// the extended protocol that ends nothing (`BEGIN`, `SAVEPOINT`, `ROLLBACK TO`), so
+    /// the transaction's comment directives go on past it.
+    pub(super) fn execute_keeps_transaction(&self, text: &[u8]) -> bool {
+        let PreparedInSql::Name(name) = prepared_in_sql(text, self.lex) else {
+            return false;
+        };
+        let keeps = |p: Option<&Arc<Prepared>>| {
+            p.is_some_and(|p| {
+                !p.analysis
+                    .statements
+                    .iter()
+                    .any(|s| s.kind.may_end_transaction())
+            })
+        };
+        keeps(self.statements.get(&name))
+            && self
+                .replies
+                .statement_in_doubt(&name)
+                .is_none_or(|mut olds| olds.all(keeps))
+    }
+
     /// Whether a statement pgfence knew as `old` (`None`: none) runs as `new` does, as far as
     /// the fence cares: the same statements as the classifier tells them apart (kind, and
     /// whether each commits inside, at once, changes the schema, prepares, or depends on a
@@ -607,7 +630,15 @@ impl Session {
                 self.tx.view = View::Unknown;
                 self.inject_check(false);
             }
-            self.tx.directives.clear();
+            let keeps = prepared.as_ref().is_some_and(|p| {
+                p.analysis
+                    .statements
+                    .first()
+                    .is_some_and(|first| self.execute_keeps_transaction(first.text(&p.sql)))
+            });
+            if !keeps {
+                self.tx.directives.clear();
+            }
         }
         if prepared
             .as_deref()

@@ -834,7 +834,7 @@ impl Session {
                     let grace = self.shared.config().limits.shutdown_timeout;
                     owed_when_left = Some(tokio_util::task::AbortOnDropHandle::new(tokio::spawn(
                         async move {
-                            tokio::time::sleep(grace).await;
+                            crate::deadline::sleep(grace).await;
                             stop.drain.cancel();
                             stop.kill.cancel();
                         },

@@ -200,7 +200,7 @@ impl Session {
         let plan = self.tx.plan_simple(analysis);
         if plan.is_empty() {
             let mut next = 0;
-            self.scope_directives(analysis, &mut next, analysis.statements.len());
+            self.scope_directives(sql, analysis, &mut next, analysis.statements.len());
             self.end_query_directives(analysis, &plan);
             self.forward(frame, Request::Query);
             return Ok(Flow::Continue);
@@ -215,12 +215,15 @@ impl Session {
     /// A comment applies to the transaction that contains its statement (SPEC section 2),
     /// not to another one of the same Query string: a later transaction's comment token
     /// once let an earlier transaction's stale write commit.
-    fn scope_directives(&mut self, analysis: &Analysis, next: &mut usize, last: usize) {
+    fn scope_directives(&mut self, sql: &[u8], analysis: &Analysis, next: &mut usize, last: usize) {
         let last = last.min(analysis.statements.len());
         for st in &analysis.statements[(*next).min(last)..last] {
             self.tx
                 .add_directives(&analysis.directives[st.directives.clone()]);
-            if st.kind.may_end_transaction() {
+            if st.kind.may_end_transaction()
+                && !(st.kind == StatementKind::Execute
+                    && self.execute_keeps_transaction(st.text(sql)))
+            {
                 self.tx.directives.clear();
             }
         }
@@ -453,13 +456,17 @@ impl Session {
             let at = text.len();
             // The check before statement `index` (a COMMIT, or an EXECUTE that may be one)
             // carries the comments of its transaction, that statement's own included.
-            self.scope_directives(analysis, &mut next, index);
+            self.scope_directives(sql, analysis, &mut next, index);
             self.tx.add_directives(
                 &analysis.directives[analysis.statements[index].directives.clone()],
             );
             next = index + 1;
             prepare = prepare.or(self.simple_check(&mut text));
-            self.tx.directives.clear();
+            let st = &analysis.statements[index];
+            if !(st.kind == StatementKind::Execute && self.execute_keeps_transaction(st.text(sql)))
+            {
+                self.tx.directives.clear();
+            }
             text.extend_from_slice(b";\n");
             if let Some(counted) = self.char_count(&sql[copied..offset]) {
                 // The check's text is ASCII: one character per byte.
@@ -475,7 +482,7 @@ impl Session {
             inserted.clear();
         }
         text.extend_from_slice(&sql[copied..]);
-        self.scope_directives(analysis, &mut next, analysis.statements.len());
+        self.scope_directives(sql, analysis, &mut next, analysis.statements.len());
         if plan.at_end {
             text.extend_from_slice(b"\n;");
             prepare = prepare.or(self.simple_check(&mut text));
