@@ -2725,6 +2725,27 @@ async fn a_comment_token_ends_where_a_statement_of_the_batch_may_end_its_transac
     );
 }
 
+/// A client that leaves after a Bind it never synced: its server connection is not kept,
+/// since the reset's `DISCARD ALL` would end the batch's implicit transaction and commit
+/// what the Bind wrote (here its planning folds an `IMMUTABLE` writer), unchecked. It
+/// ends with the session, as directly (a review).
+#[tokio::test]
+async fn a_bind_the_client_left_unsynced_is_not_committed_by_the_reset() {
+    let fx = bind_writers_after_leader_34().await;
+    let mut conn = fx.raw_session("-c fencing.token=33 -c fencing.resource=bw");
+    conn.send(
+        &[
+            wire::parse("", "SELECT bw_imm('stale unsynced')", &[]),
+            wire::bind("", "", &[]),
+            wire::terminate(),
+        ]
+        .concat(),
+    );
+    conn.until_closed();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_no_stale_bind_write(&fx).await;
+}
+
 /// A `VACUUM` Query inside a batch, behind an Executed `COMMIT` of it and a Bind that
 /// writes: PostgreSQL commits what the Bind wrote before it runs the `VACUUM`. pgfence
 /// learns the state with a Sync of its own there; that Sync is checked, so a stale
@@ -3133,7 +3154,13 @@ async fn a_comment_in_the_text_of_a_prepare_counts_at_its_execute() {
         "EXECUTE w".to_owned(),
         "BEGIN; EXECUTE w; COMMIT".to_owned(),
         format!("PREPARE w2 AS INSERT INTO pp VALUES ('stale w2') {c33}; EXECUTE w2"),
+        // Run by another statement; and after a `DEALLOCATE` that never ran.
+        "EXPLAIN ANALYZE EXECUTE w".to_owned(),
+        "EXECUTE w".to_owned(),
     ] {
+        if sql == "EXECUTE w" {
+            stale.simple("SELECT 1/0; DEALLOCATE w").await.unwrap_err();
+        }
         assert_eq!(
             sqlstate(&stale.simple(&sql).await).as_deref(),
             Some("FN001"),
@@ -3171,6 +3198,30 @@ async fn a_comment_in_the_text_of_a_prepare_counts_at_its_execute() {
         "a stale PREPARE's EXECUTE committed"
     );
 
+    // A `PREPARE` that failed leaves the name, and its comment, to the next one.
+    let session = fx
+        .session(
+            SUPERUSER,
+            Some("-c fencing.token=33 -c fencing.resource=pp"),
+        )
+        .await;
+    session
+        .simple(
+            "PREPARE f AS INSERT INTO pp_missing VALUES (1) \
+             /* fencing_token=34 fencing_resource=pp */",
+        )
+        .await
+        .unwrap_err();
+    session
+        .simple("PREPARE f AS INSERT INTO pp VALUES ('stale f')")
+        .await
+        .unwrap();
+    assert_eq!(
+        sqlstate(&session.simple("EXECUTE f").await).as_deref(),
+        Some("FN001")
+    );
+    assert_eq!(fx.count("pp WHERE tag LIKE 'stale%'").await, 0);
+
     // The leader's statement of a name prepared again after `DEALLOCATE`.
     let leader = fx.session(SUPERUSER, None).await;
     leader
@@ -3183,6 +3234,38 @@ async fn a_comment_in_the_text_of_a_prepare_counts_at_its_execute() {
         .unwrap();
     leader.simple("EXECUTE v").await.unwrap();
     assert_eq!(fx.fence("pp").await, Some(35));
+}
+
+/// PostgreSQL keys statements and portals by the first 63 bytes of their names: two longer
+/// names that share them are one. pgfence took such a name for another statement than the
+/// server's, and a stale block committed behind a `COMMIT` parsed under the other (a
+/// review; older than stop 51).
+#[tokio::test]
+async fn names_are_compared_as_postgresql_keys_them() {
+    let (fx, stale) = Fixture::after_leader_34("nk", |_| {}).await;
+    let (one, two) = (
+        format!("{}1", "a".repeat(63)),
+        format!("{}2", "a".repeat(63)),
+    );
+    let mut conn = fx.raw_session(&stale);
+    conn.send(&[wire::parse(&two, "SELECT 1", &[]), wire::sync()].concat());
+    conn.until_ready();
+    conn.send(&[wire::close(b'S', &one), wire::sync()].concat());
+    conn.until_ready();
+    conn.send(&[wire::parse(&one, "COMMIT", &[]), wire::sync()].concat());
+    conn.until_ready();
+    conn.send(&wire::query("BEGIN; INSERT INTO nk VALUES ('stale')"));
+    conn.until_ready();
+    conn.send(
+        &[
+            wire::bind("", &two, &[]),
+            wire::execute("", 0),
+            wire::sync(),
+        ]
+        .concat(),
+    );
+    assert_stale(&conn.until_ready());
+    assert_eq!(fx.count("nk WHERE tag = 'stale'").await, 0);
 }
 
 /// The fast path answers for a Query of one statement only: a Query of several once lost,

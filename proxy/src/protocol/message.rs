@@ -2,6 +2,9 @@
 
 use bytes::{BufMut, BytesMut};
 
+/// How many bytes of a statement or portal name PostgreSQL keeps (`NAMEDATALEN - 1`).
+pub const NAME_BYTES: usize = 63;
+
 /// Messages a client sends after startup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Frontend {
@@ -129,10 +132,12 @@ impl<'a> Reader<'a> {
     }
 
     /// A NUL-terminated statement or portal name: a byte loop, which for the few bytes of a
-    /// name costs less than memchr's setup.
+    /// name costs less than memchr's setup. Its first [`NAME_BYTES`] bytes, as PostgreSQL
+    /// keys its statements and portals: two longer names that share them are one (a
+    /// review parsed a `COMMIT` under a name pgfence took for another one's).
     fn name(&mut self) -> Option<&'a [u8]> {
         let end = self.0.iter().position(|&b| b == 0)?;
-        let (s, rest) = (&self.0[..end], &self.0[end + 1..]);
+        let (s, rest) = (&self.0[..end.min(NAME_BYTES)], &self.0[end + 1..]);
         self.0 = rest;
         Some(s)
     }

@@ -117,23 +117,58 @@ impl Session {
 
     /// A SQL `PREPARE` of this name went upstream, its text's comments `directives`: a SQL
     /// `EXECUTE` of the name brings them into its transaction, as an Execute does those of a
-    /// statement parsed in the extended protocol. Where the name is taken (the `PREPARE`
-    /// fails, 42P05), it keeps those of the statement it has. A comment token in the text
-    /// of a `PREPARE` once fenced nothing at its `EXECUTE` (a review).
+    /// statement parsed in the extended protocol. The last `PREPARE` of a name counts (one
+    /// that fails leaves the name to the next), except where the extended protocol holds the
+    /// name: that `PREPARE` fails (42P05), and the name keeps its statement's comments. A
+    /// comment token in the text of a `PREPARE` once fenced nothing at its `EXECUTE` (a
+    /// review).
     pub(super) fn note_prepare_in_sql(
         &mut self,
         prepares: &PreparedInSql,
         directives: &[Directive],
     ) {
         if let PreparedInSql::Name(name) = prepares {
-            if let Some(old) = self.statements.get(name) {
-                let kept = old.analysis.directives.clone().into_boxed_slice();
+            let kept = match self.statements.get(name) {
+                Some(old) => &old.analysis.directives[..],
+                None => directives,
+            };
+            if kept.is_empty() {
+                self.sql_directives.remove(name);
+            } else {
+                let kept = kept.into();
                 self.sql_directives.insert(name.clone(), kept);
-            } else if !self.sql_directives.contains_key(name) {
-                self.sql_directives.insert(name.clone(), directives.into());
             }
         }
         self.forget_prepared_in_sql(prepares);
+    }
+
+    /// The comment directives of the prepared statement that `EXPLAIN ... EXECUTE name` or
+    /// `CREATE TABLE ... AS EXECUTE name` (`text`) runs, if it has any: they are its own,
+    /// as at an `EXECUTE` (a review ran a stale `PREPARE`'s write under `EXPLAIN ANALYZE`).
+    /// Looked for only while some prepared statement has comments.
+    pub(super) fn executed_inside(&self, text: &[u8]) -> Option<Vec<Directive>> {
+        if self.sql_directives.is_empty() && !self.named_directives {
+            return None;
+        }
+        let mut words = Lexer::with_options(text, self.lex)
+            .filter(|t| !matches!(t.kind, TokKind::Comment { .. }));
+        let first = words.next()?;
+        let word = |t: &fence_core::lexer::Tok, w: &[u8]| {
+            t.kind == TokKind::Ident && t.text(text).eq_ignore_ascii_case(w)
+        };
+        if !word(&first, b"explain") && !word(&first, b"create") {
+            return None;
+        }
+        words.find(|t| word(t, b"execute"))?;
+        let name = words.next()?;
+        let PreparedInSql::Name(name) = spelled_name(name.kind, name.text(text)) else {
+            return None;
+        };
+        let runs = match self.statements.get(&name) {
+            Some(p) => &p.analysis.directives[..],
+            None => self.sql_directives.get(&name).map_or(&[][..], |d| &d[..]),
+        };
+        (!runs.is_empty()).then(|| runs.to_vec())
     }
 
     /// The comment directives of the statement a SQL `EXECUTE` (`text`) runs, as far as
@@ -145,26 +180,6 @@ impl Session {
         match self.statements.get(&name) {
             Some(p) => &p.analysis.directives,
             None => self.sql_directives.get(&name).map_or(&[], |d| &d[..]),
-        }
-    }
-
-    /// A SQL `DEALLOCATE` or `DISCARD` (`text`) went upstream: the names it drops are free
-    /// for a `PREPARE` again (every name for `DISCARD` and `DEALLOCATE ALL`, or where
-    /// pgfence cannot spell the name).
-    pub(super) fn deallocated_in_sql(&mut self, text: &[u8]) {
-        let mut words = Lexer::with_options(text, self.lex)
-            .filter(|t| !matches!(t.kind, TokKind::Comment { .. }));
-        let deallocate = words
-            .next()
-            .is_some_and(|t| t.text(text).eq_ignore_ascii_case(b"deallocate"));
-        let name = words
-            .find(|t| !(t.kind == TokKind::Ident && t.text(text).eq_ignore_ascii_case(b"prepare")))
-            .map(|t| spelled_name(t.kind, t.text(text)));
-        match name {
-            Some(PreparedInSql::Name(name)) if deallocate && &*name != b"all" => {
-                self.sql_directives.remove(&name);
-            }
-            _ => self.sql_directives.clear(),
         }
     }
 
@@ -341,7 +356,10 @@ impl Session {
         }
         let before = match prepared {
             Some(p) if name.is_empty() => self.unnamed_statement.replace(p),
-            Some(p) => self.statements.insert(name.into(), p),
+            Some(p) => {
+                self.named_directives |= !p.analysis.directives.is_empty();
+                self.statements.insert(name.into(), p)
+            }
             None => self.unnamed_statement.clone(),
         };
         self.forward_named(frame, Request::Parse, name, before);
@@ -545,6 +563,8 @@ impl Session {
                     runs = Some(self.executed_directives(first.text(&p.sql)).to_vec());
                     self.executed_in_sql(first.text(&p.sql));
                 }
+            } else if self.fence.enabled {
+                runs = self.executed_inside(&p.sql);
             }
         }
         if kind == StatementKind::Discard || prepared.is_none() {

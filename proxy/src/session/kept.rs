@@ -125,6 +125,10 @@ impl Session {
             && self.server_fatal.is_none()
             && self.tx.view == tx::View::Idle
             && self.replies.is_empty()
+            // At a sync point: after a batch the client never synced (it left), the reset's
+            // `DISCARD ALL` would end the batch's implicit transaction, and commit what a
+            // Bind of it wrote (a review).
+            && !self.batch_open
             && self.hold == Hold::None
             && self.copy_in == CopyIn::None
             && self.commit_check == CommitCheck::None

@@ -574,6 +574,9 @@ pub(crate) struct Session {
     /// text, which a SQL `EXECUTE` of the name brings into its transaction (see
     /// `Session::note_prepare_in_sql`).
     sql_directives: foldhash::HashMap<Box<[u8]>, Box<[fence_core::directive::Directive]>>,
+    /// A statement parsed in the extended protocol under a name had comment directives
+    /// (see `Session::executed_inside`).
+    named_directives: bool,
     unnamed_statement: Option<Arc<Prepared>>,
     portals: Names,
     unnamed_portal: Option<Arc<Prepared>>,
@@ -721,6 +724,7 @@ impl Session {
             prepare_hidden: false,
             control_forgotten: foldhash::HashSet::default(),
             sql_directives: foldhash::HashMap::default(),
+            named_directives: false,
             unnamed_statement: None,
             portals: Names::default(),
             unnamed_portal: None,

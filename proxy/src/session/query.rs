@@ -285,10 +285,7 @@ impl Session {
         let mut executed = Vec::new();
         for (i, statement) in analysis.statements.iter().enumerate() {
             match statement.kind {
-                StatementKind::Discard => {
-                    self.fence.dropping_prepared();
-                    self.deallocated_in_sql(statement.text(sql));
-                }
+                StatementKind::Discard => self.fence.dropping_prepared(),
                 StatementKind::Execute => {
                     let text = statement.text(sql);
                     let runs = self.executed_directives(text);
@@ -301,6 +298,11 @@ impl Session {
                     &prepared_in_sql(statement.text(sql), self.lex),
                     &analysis.directives[statement.directives.clone()],
                 ),
+                StatementKind::MayWrite | StatementKind::ReadOnly => {
+                    if let Some(runs) = self.executed_inside(statement.text(sql)) {
+                        executed.push((i, runs.into()));
+                    }
+                }
                 _ => {}
             }
         }
