@@ -115,39 +115,12 @@ impl Session {
         })
     }
 
-    /// A SQL `PREPARE` of this name went upstream, its text's comments `directives`: a SQL
-    /// `EXECUTE` of the name brings them into its transaction, as an Execute does those of a
-    /// statement parsed in the extended protocol. The last `PREPARE` of a name counts (one
-    /// that fails leaves the name to the next), except where the extended protocol holds the
-    /// name: that `PREPARE` fails (42P05), and the name keeps its statement's comments. A
-    /// comment token in the text of a `PREPARE` once fenced nothing at its `EXECUTE` (a
-    /// review).
-    pub(super) fn note_prepare_in_sql(
-        &mut self,
-        prepares: &PreparedInSql,
-        directives: &[Directive],
-    ) {
-        if let PreparedInSql::Name(name) = prepares {
-            let kept = match self.statements.get(name) {
-                Some(old) => &old.analysis.directives[..],
-                None => directives,
-            };
-            if kept.is_empty() {
-                self.sql_directives.remove(name);
-            } else {
-                let kept = kept.into();
-                self.sql_directives.insert(name.clone(), kept);
-            }
-        }
-        self.forget_prepared_in_sql(prepares);
-    }
-
     /// The comment directives of the prepared statement that `EXPLAIN ... EXECUTE name` or
     /// `CREATE TABLE ... AS EXECUTE name` (`text`) runs, if it has any: they are its own,
-    /// as at an `EXECUTE` (a review ran a stale `PREPARE`'s write under `EXPLAIN ANALYZE`).
-    /// Looked for only while some prepared statement has comments.
+    /// as at an `EXECUTE` (see [`Session::executed_directives`]). Looked for only once a
+    /// statement parsed under a name had comments.
     pub(super) fn executed_inside(&self, text: &[u8]) -> Option<Vec<Directive>> {
-        if self.sql_directives.is_empty() && !self.named_directives {
+        if !self.named_directives {
             return None;
         }
         let mut words = Lexer::with_options(text, self.lex)
@@ -164,23 +137,23 @@ impl Session {
         let PreparedInSql::Name(name) = spelled_name(name.kind, name.text(text)) else {
             return None;
         };
-        let runs = match self.statements.get(&name) {
-            Some(p) => &p.analysis.directives[..],
-            None => self.sql_directives.get(&name).map_or(&[][..], |d| &d[..]),
-        };
+        let runs = &self.statements.get(&name)?.analysis.directives;
         (!runs.is_empty()).then(|| runs.to_vec())
     }
 
-    /// The comment directives of the statement a SQL `EXECUTE` (`text`) runs, as far as
-    /// pgfence knows them (see [`Session::note_prepare_in_sql`]).
+    /// The comment directives of the statement a SQL `EXECUTE` (`text`) runs where the
+    /// extended protocol parsed it: its own, as at an Execute of it. Not those of a SQL
+    /// `PREPARE`'s text, which pgfence would have to follow to its reply (the name keeps
+    /// the statement it had when the `PREPARE` fails): a review made a stale `EXECUTE`
+    /// commit with the current token of a `PREPARE` that failed (README, Known
+    /// limitations).
     pub(super) fn executed_directives(&self, text: &[u8]) -> &[Directive] {
         let PreparedInSql::Name(name) = prepared_in_sql(text, self.lex) else {
             return &[];
         };
-        match self.statements.get(&name) {
-            Some(p) => &p.analysis.directives,
-            None => self.sql_directives.get(&name).map_or(&[], |d| &d[..]),
-        }
+        self.statements
+            .get(&name)
+            .map_or(&[], |p| &p.analysis.directives)
     }
 
     /// A SQL `PREPARE` of this name went upstream (see [`prepared_in_sql`]): pgfence no
@@ -231,11 +204,7 @@ impl Session {
                 PreparedInSql::Unknown
             }
         };
-        let directives = match &hidden {
-            PreparedInSql::Name(_) => self.executed_directives(text).to_vec(),
-            _ => Vec::new(),
-        };
-        self.note_prepare_in_sql(&hidden, &directives);
+        self.forget_prepared_in_sql(&hidden);
     }
 
     /// Whether a SQL `EXECUTE` (`text`, one statement) may end its transaction. SQL
@@ -555,9 +524,7 @@ impl Session {
         // A SQL `EXECUTE`: the comment directives of what it runs.
         let mut runs = None;
         if let Some(p) = &prepared {
-            if p.prepares != PreparedInSql::No {
-                self.note_prepare_in_sql(&p.prepares, &p.analysis.directives);
-            }
+            self.forget_prepared_in_sql(&p.prepares);
             if executes_in_sql(p) {
                 if let Some(first) = p.analysis.statements.first() {
                     runs = Some(self.executed_directives(first.text(&p.sql)).to_vec());

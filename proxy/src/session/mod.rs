@@ -570,10 +570,6 @@ pub(crate) struct Session {
     /// a statement parsed in the extended protocol that controls transactions: a SQL
     /// `EXECUTE` of one may end its transaction (see `Session::execute_may_end`).
     control_forgotten: foldhash::HashSet<Box<[u8]>>,
-    /// Names prepared by a SQL `PREPARE` pgfence saw, with the comment directives of its
-    /// text, which a SQL `EXECUTE` of the name brings into its transaction (see
-    /// `Session::note_prepare_in_sql`).
-    sql_directives: foldhash::HashMap<Box<[u8]>, Box<[fence_core::directive::Directive]>>,
     /// A statement parsed in the extended protocol under a name had comment directives
     /// (see `Session::executed_inside`).
     named_directives: bool,
@@ -723,7 +719,6 @@ impl Session {
             names_forgotten: false,
             prepare_hidden: false,
             control_forgotten: foldhash::HashSet::default(),
-            sql_directives: foldhash::HashMap::default(),
             named_directives: false,
             unnamed_statement: None,
             portals: Names::default(),

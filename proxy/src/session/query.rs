@@ -294,10 +294,9 @@ impl Session {
                     }
                     self.executed_in_sql(text);
                 }
-                _ if statement.prepares_in_sql => self.note_prepare_in_sql(
-                    &prepared_in_sql(statement.text(sql), self.lex),
-                    &analysis.directives[statement.directives.clone()],
-                ),
+                _ if statement.prepares_in_sql => {
+                    self.forget_prepared_in_sql(&prepared_in_sql(statement.text(sql), self.lex))
+                }
                 StatementKind::MayWrite | StatementKind::ReadOnly => {
                     if let Some(runs) = self.executed_inside(statement.text(sql)) {
                         executed.push((i, runs.into()));
