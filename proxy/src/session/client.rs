@@ -232,6 +232,7 @@ impl Session {
     /// transaction's comment directives are in doubt (see `TxState::directives_in_doubt`),
     /// and a ReadyForQuery in flight will tell. A comment token pipelined behind a
     /// `ROLLBACK` once fenced the next transaction with it.
+    #[inline]
     pub(super) fn directives_in_doubt(&self) -> bool {
         self.tx.directives_in_doubt && !self.replies.is_empty() && self.replies.ready_tells_state()
     }

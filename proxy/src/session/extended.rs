@@ -356,12 +356,13 @@ impl Session {
             return Err(SessionError::MalformedClientMessage("Bind"));
         };
         let mut prepared = self.statement(statement);
-        let doubtful = self
-            .replies
-            .statement_in_doubt(statement)
-            .is_some_and(|mut olds| {
-                !olds.all(|old| self.same_for_the_fence(old, prepared.as_ref()))
-            });
+        let doubtful = self.replies.statements_change()
+            && self
+                .replies
+                .statement_in_doubt(statement)
+                .is_some_and(|mut olds| {
+                    !olds.all(|old| self.same_for_the_fence(old, prepared.as_ref()))
+                });
         if doubtful {
             // A Parse or Close of the name may yet be refused or skipped, and then this Bind
             // runs the statement the name had (an error in an earlier batch does not skip
@@ -524,13 +525,15 @@ impl Session {
         // A SQL `EXECUTE`: the comment directives of what it runs.
         let mut runs = None;
         if let Some(p) = &prepared {
-            self.forget_prepared_in_sql(&p.prepares);
+            if p.prepares != PreparedInSql::No {
+                self.forget_prepared_in_sql(&p.prepares);
+            }
             if executes_in_sql(p) {
                 if let Some(first) = p.analysis.statements.first() {
                     runs = Some(self.executed_directives(first.text(&p.sql)).to_vec());
                     self.executed_in_sql(first.text(&p.sql));
                 }
-            } else if self.fence.enabled {
+            } else if self.fence.enabled && self.named_directives {
                 runs = self.executed_inside(&p.sql);
             }
         }

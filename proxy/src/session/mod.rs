@@ -573,6 +573,9 @@ pub(crate) struct Session {
     /// A statement parsed in the extended protocol under a name had comment directives
     /// (see `Session::executed_inside`).
     named_directives: bool,
+    /// Ends the session `limits.shutdown_timeout` after its client left with replies owed
+    /// (see `Session::stay_for_owed_replies`).
+    grace_after_client: Option<tokio_util::task::AbortOnDropHandle<()>>,
     unnamed_statement: Option<Arc<Prepared>>,
     portals: Names,
     unnamed_portal: Option<Arc<Prepared>>,
@@ -720,6 +723,7 @@ impl Session {
             prepare_hidden: false,
             control_forgotten: foldhash::HashSet::default(),
             named_directives: false,
+            grace_after_client: None,
             unnamed_statement: None,
             portals: Names::default(),
             unnamed_portal: None,
@@ -794,11 +798,6 @@ impl Session {
         // A buffer may have grown past `READ_CHUNK` since the last look (see
         // `shrink_when_empty`), which costs a call per buffer: looked for only then.
         let mut outgrown = self.outgrown();
-        // The client left (Terminate, or the end of what it sends) with replies owed: the
-        // session stays for them, as PostgreSQL runs what a client sent before it left (a
-        // pipelined COMMIT included), for at most `limits.shutdown_timeout`.
-        let mut owed_when_left: Option<tokio_util::task::AbortOnDropHandle<()>> = None;
-        let mut flushed_when_left = false;
         loop {
             if client_pending && cancels.busy() {
                 // What the client sends while one of its cancels is on its way waits for it
@@ -810,7 +809,6 @@ impl Session {
                 client_pending = false;
                 let flow = self.guarded(|s| s.on_client_bytes(&mut cbuf));
                 outgrown |= self.outgrown();
-                flushed_when_left = false;
                 match flow {
                     Ok(Flow::Terminate) => client_open = false,
                     // Copy data the client sent along with the Query it paused at.
@@ -828,22 +826,7 @@ impl Session {
                     self.client_left_mid_message = !cbuf.is_empty();
                     return Ok(());
                 }
-                if owed_when_left.is_none() {
-                    let stop = stop.clone();
-                    let grace = self.shared.config().limits.shutdown_timeout;
-                    owed_when_left = Some(tokio_util::task::AbortOnDropHandle::new(tokio::spawn(
-                        async move {
-                            crate::deadline::sleep(grace).await;
-                            stop.drain.cancel();
-                            stop.kill.cancel();
-                        },
-                    )));
-                }
-                if !flushed_when_left && !self.replies.ends_at_sync_point() {
-                    // What the server holds back until a Sync or a Flush.
-                    crate::protocol::message::flush(&mut self.to_server);
-                }
-                flushed_when_left = true;
+                self.stay_for_owed_replies(stop);
             }
             if draining
                 && self.phase == Phase::Ready
@@ -1063,8 +1046,29 @@ impl Session {
         self.to_server.len() > READ_CHUNK || self.to_client.len() > READ_CHUNK
     }
 
-    /// Whether client messages are read and handled now.
-    #[inline]
+    /// The client left (Terminate, or the end of what it sends) with replies owed: the
+    /// session stays for them, as PostgreSQL runs what a client sent before it left (a
+    /// pipelined COMMIT included), for at most `limits.shutdown_timeout`. What the server
+    /// holds back until a Sync or a Flush is flushed (a Flush more changes nothing).
+    #[cold]
+    #[inline(never)]
+    fn stay_for_owed_replies(&mut self, stop: &Stop) {
+        if self.grace_after_client.is_none() {
+            let stop = stop.clone();
+            let grace = self.shared.config().limits.shutdown_timeout;
+            self.grace_after_client = Some(tokio_util::task::AbortOnDropHandle::new(tokio::spawn(
+                async move {
+                    crate::deadline::sleep(grace).await;
+                    stop.drain.cancel();
+                    stop.kill.cancel();
+                },
+            )));
+        }
+        if !self.replies.ends_at_sync_point() {
+            crate::protocol::message::flush(&mut self.to_server);
+        }
+    }
+
     /// Whether the server still owes replies to what the client sent before it left, and
     /// will send them without more from the client (not in `COPY FROM STDIN`, which waits
     /// for its data: PostgreSQL ends that at the client's end of file).
@@ -1075,6 +1079,8 @@ impl Session {
             && self.copy_from_client == CopyFromClient::None
     }
 
+    /// Whether client messages are read and handled now.
+    #[inline]
     fn reads_client(&self) -> bool {
         self.hold != Hold::Waiting || self.copy_through
     }

@@ -297,7 +297,7 @@ impl Session {
                 _ if statement.prepares_in_sql => {
                     self.forget_prepared_in_sql(&prepared_in_sql(statement.text(sql), self.lex))
                 }
-                StatementKind::MayWrite | StatementKind::ReadOnly => {
+                StatementKind::MayWrite | StatementKind::ReadOnly if self.named_directives => {
                     if let Some(runs) = self.executed_inside(statement.text(sql)) {
                         executed.push((i, runs.into()));
                     }

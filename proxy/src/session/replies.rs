@@ -238,6 +238,13 @@ impl Replies {
             .map(|p| (p.name.as_deref(), p.before.as_ref()))
     }
 
+    /// Whether a client's Parse or Close of a statement is in flight (see
+    /// [`Replies::statement_in_doubt`]): almost never, and then only is that looked at.
+    #[inline]
+    pub fn statements_change(&self) -> bool {
+        self.statement_changes != 0
+    }
+
     /// Whether a Bind of statement `name` (empty: the unnamed one) sent now may run
     /// something else than pgfence thinks: the client's last Parse or Close of that name in
     /// flight is in an earlier batch (a Query, Sync or FunctionCall went after it), and the
