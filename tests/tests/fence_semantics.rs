@@ -2705,19 +2705,14 @@ async fn a_comment_token_ends_where_a_statement_of_the_batch_may_end_its_transac
         "BEGIN; {comment}; EXECUTE b; INSERT INTO ct VALUES ('stale begin query'); COMMIT"
     )));
     assert_stale(&conn.until_ready());
-    conn.send(
+    assert_stale(&batch_in_a_block(
+        &mut conn,
         &[
-            wire::query("BEGIN"),
-            pbe(comment),
-            pbe("EXECUTE b"),
-            pbe("INSERT INTO ct VALUES ('stale begin batch')"),
-            wire::sync(),
-            wire::query("COMMIT"),
-        ]
-        .concat(),
-    );
-    let replies: Vec<Msg> = (0..3).flat_map(|_| conn.until_ready()).collect();
-    assert_stale(&replies);
+            comment,
+            "EXECUTE b",
+            "INSERT INTO ct VALUES ('stale begin batch')",
+        ],
+    ));
     assert_eq!(
         fx.count("ct WHERE tag LIKE 'stale%'").await,
         0,
@@ -3103,18 +3098,10 @@ async fn a_sql_execute_keeps_its_transactions_comment_token() {
     let mut raw = fx.raw_session("");
     raw.send(&wire::query(prepare));
     raw.until_ready();
-    raw.send(
-        &[
-            wire::query("BEGIN"),
-            pbe(&format!("{c33} SELECT 1")),
-            pbe("EXECUTE upd"),
-            wire::sync(),
-            wire::query("COMMIT"),
-        ]
-        .concat(),
-    );
-    let replies: Vec<Msg> = (0..3).flat_map(|_| raw.until_ready()).collect();
-    assert_stale(&replies);
+    assert_stale(&batch_in_a_block(
+        &mut raw,
+        &[&format!("{c33} SELECT 1"), "EXECUTE upd"],
+    ));
     assert_eq!(
         fx.count("exq WHERE tag <> 'leader 34'").await,
         0,
@@ -3249,6 +3236,19 @@ async fn a_fast_path_rejection_keeps_the_rest_of_its_query() {
     assert_stale(&replies);
     assert_eq!(fx.count("fq WHERE tag = 'first'").await, 1);
     assert_eq!(fx.count("fq WHERE tag = 'stale'").await, 0);
+}
+
+/// `BEGIN`, then `statements` as one extended-protocol batch, then `COMMIT`, in one write:
+/// the replies to the three.
+fn batch_in_a_block(conn: &mut RawConn, statements: &[&str]) -> Vec<Msg> {
+    let mut bytes = wire::query("BEGIN");
+    for statement in statements {
+        bytes.extend(pbe(statement));
+    }
+    bytes.extend(wire::sync());
+    bytes.extend(wire::query("COMMIT"));
+    conn.send(&bytes);
+    (0..3).flat_map(|_| conn.until_ready()).collect()
 }
 
 /// The first error among `replies` is FN001, a stale token.
