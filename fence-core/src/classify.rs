@@ -422,12 +422,14 @@ fn mentions_fencing(kind: TokKind, text: &[u8]) -> bool {
     let escapes = match kind {
         TokKind::Ident if text.len() < FENCING.len() => return false,
         TokKind::Ident => false,
-        // `U&'...'` and `U&"..."` may spell anything with an escape character of their
-        // `UESCAPE`, not only with `\\` (a review: `SET U&"!0066encing.token" UESCAPE '!'`).
-        TokKind::QuotedIdent | TokKind::String if text.len() > 1 && text[1] == b'&' => return true,
         TokKind::QuotedIdent | TokKind::String => true,
         _ => return false,
     };
+    // `U&'...'` and `U&"..."` may spell anything with an escape character of their
+    // `UESCAPE`, not only with `\\` (a review: `SET U&"!0066encing.token" UESCAPE '!'`).
+    if escapes && text.get(1) == Some(&b'&') {
+        return true;
+    }
     // An identifier has no `\\`: its first `g` that matters is the seventh byte.
     let mut from = if escapes { 0 } else { FENCING.len() - 1 };
     while let Some(n) = text
