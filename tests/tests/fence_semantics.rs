@@ -5106,25 +5106,29 @@ async fn the_fast_path_knows_only_fences_the_database_holds() {
         .expect("a fence the rejection rolled back");
 
     // The default resource, where the role names another.
-    fx.direct
-        .batch_execute("CREATE ROLE known_role LOGIN; GRANT ALL ON known TO known_role;")
-        .await
-        .unwrap();
-    fx.session("known_role", Some("-c fencing.token=50"))
-        .await
-        .simple(&insert("default 50"))
-        .await
-        .unwrap();
+    let role_writes = |setup: &'static str, token: i64| {
+        let fx = &fx;
+        async move {
+            fx.direct.batch_execute(setup).await.unwrap();
+            fx.session("known_role", Some(&format!("-c fencing.token={token}")))
+                .await
+                .simple(&format!("INSERT INTO known VALUES ('role {token}')"))
+                .await
+        }
+    };
+    role_writes(
+        "CREATE ROLE known_role LOGIN; GRANT ALL ON known TO known_role;",
+        50,
+    )
+    .await
+    .unwrap();
     assert_eq!(fx.fence("known_default").await, Some(50));
-    fx.direct
-        .batch_execute("ALTER ROLE known_role SET fencing.resource = 'known_own'")
-        .await
-        .unwrap();
-    fx.session("known_role", Some("-c fencing.token=6"))
-        .await
-        .simple(&insert("known_own 6"))
-        .await
-        .expect("token 6 for the role's resource");
+    role_writes(
+        "ALTER ROLE known_role SET fencing.resource = 'known_own'",
+        6,
+    )
+    .await
+    .expect("token 6 for the role's resource");
     assert_eq!(fx.fence("known_own").await, Some(6));
 }
 
