@@ -96,7 +96,7 @@ pub enum StatementKind {
     /// Cannot run in a transaction block, or commits internally, so it cannot be fenced
     /// atomically: `VACUUM`, `CREATE`/`DROP DATABASE`, `CREATE`/`DROP TABLESPACE`,
     /// `ALTER SYSTEM`, `CREATE`/`DROP INDEX CONCURRENTLY`, `REINDEX ... CONCURRENTLY`,
-    /// `REINDEX SYSTEM`/`DATABASE`, `CLUSTER` without a table, `CALL`, `ALTER DATABASE ... SET
+    /// `REINDEX SCHEMA`/`SYSTEM`/`DATABASE`, `CLUSTER` without a table, `CALL`, `ALTER DATABASE ... SET
     /// TABLESPACE`, `CREATE`/`DROP SUBSCRIPTION`, `ALTER SUBSCRIPTION ... PUBLICATION`,
     /// `ALTER TABLE ... DETACH PARTITION ... CONCURRENTLY`.
     NonTransactional,
@@ -189,9 +189,14 @@ pub struct Statement {
     /// also [`StatementKind::NonTransactional`]: a Query of it alone is checked first, in a
     /// transaction of its own).
     pub may_commit_inside: bool,
-    /// Refused in a transaction block, and committed as soon as it has run
-    /// (`PreventInTransactionBlock`: `VACUUM`, `DISCARD ALL`, `CREATE DATABASE`, ...; not
-    /// `CALL`): an Execute of it leaves no pipelined transaction behind.
+    /// Refused in a transaction block, and committed as soon as it has run, in the one
+    /// transaction it ran in (`PreventInTransactionBlock`: `DISCARD ALL`, `CREATE
+    /// DATABASE`, `ALTER SYSTEM`, ...): an Execute of it leaves no pipelined transaction
+    /// behind. Not `CALL`, nor a statement that commits transactions of its own as it runs
+    /// (`VACUUM`, `CREATE`/`DROP INDEX CONCURRENTLY`, `REINDEX` of more than a table or
+    /// `CONCURRENTLY`, `CLUSTER` without a table, `DETACH PARTITION ... CONCURRENTLY`):
+    /// PostgreSQL forgets there that it was to commit at once, and the batch's next
+    /// statement is pipelined (a `VACUUM` Query after it is refused "within a pipeline").
     pub commits_at_once: bool,
     /// `CREATE` or `ALTER` of an object that may give a read a way to call a function of
     /// the database's own (a view, a function, a policy, a rule, a cast, ...): any but

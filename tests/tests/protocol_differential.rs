@@ -317,6 +317,35 @@ fn main_steps(abs_oid: u32) -> Vec<Step> {
             Ready(3),
         ),
         step(
+            // An Executed `VACUUM` commits transactions of its own as it runs, and PostgreSQL
+            // forgets that it was to commit at once: the transaction after it is pipelined,
+            // and the `VACUUM` Query is refused "within a pipeline" (pgfence once took the
+            // first for a `DISCARD ALL`, checked the Query first on its own, behind a Sync of
+            // its own, and it ran; FunctionCalls seed 33176). So after `REINDEX SCHEMA`.
+            "VACUUM alone inside a batch, behind an Executed VACUUM",
+            cat(&[
+                pbe("VACUUM d", &[]),
+                wire::flush(),
+                q("VACUUM d"),
+                pbe("REINDEX SCHEMA public", &[]),
+                q("VACUUM d"),
+                wire::sync(),
+            ]),
+            Ready(3),
+        ),
+        step(
+            // A `DISCARD ALL` commits in the one transaction it ran in: the `VACUUM` after
+            // it runs, on both.
+            "VACUUM alone inside a batch, behind an Executed DISCARD ALL",
+            cat(&[
+                pbe("DISCARD ALL", &[]),
+                wire::flush(),
+                q("VACUUM d"),
+                wire::sync(),
+            ]),
+            Ready(2),
+        ),
+        step(
             // `COMMIT AND CHAIN` opens a new block at once: the `VACUUM` fails in it, on
             // both.
             "VACUUM inside a batch, behind an Executed COMMIT AND CHAIN",

@@ -835,12 +835,20 @@ impl<'a> Scan<'a> {
         }
     }
 
-    /// Refused in a transaction block and committed at once when it runs
-    /// (PostgreSQL's `PreventInTransactionBlock`): the non-transactional statements but
-    /// `CALL`, and `DISCARD ALL`.
+    /// See [`Statement::commits_at_once`]: the non-transactional statements but `CALL` and
+    /// those that commit transactions of their own (every non-transactional `VACUUM`,
+    /// `REINDEX`, `CLUSTER`, `ALTER TABLE` and `CREATE`/`DROP INDEX`), and `DISCARD ALL`.
     fn commits_at_once(&self) -> bool {
         match self.kind() {
-            StatementKind::NonTransactional => !self.word_is(0, "call"),
+            StatementKind::NonTransactional => {
+                let commits_inside = ["call", "vacuum", "reindex", "cluster"]
+                    .iter()
+                    .any(|w| self.word_is(0, w))
+                    || (self.word_is(0, "alter") && self.word_is(1, "table"))
+                    || self.seen.concurrently
+                        && (self.word_is(0, "create") || self.word_is(0, "drop"));
+                !commits_inside
+            }
             StatementKind::Discard => self.block_sensitive(),
             _ => false,
         }
@@ -973,7 +981,9 @@ impl<'a> Scan<'a> {
             .copied()
             .find(|t| t.kind != TokKind::LParen);
         let whole = target.is_some_and(|t| {
-            is_keyword(self.text(t), "system") || is_keyword(self.text(t), "database")
+            ["schema", "system", "database"]
+                .iter()
+                .any(|k| is_keyword(self.text(t), k))
         });
         if whole || self.seen.concurrently {
             StatementKind::NonTransactional

@@ -647,6 +647,8 @@ fn non_transactional() {
         ("REINDEX (CONCURRENTLY) TABLE t", NonTransactional),
         ("REINDEX DATABASE d", NonTransactional),
         ("REINDEX (VERBOSE) SYSTEM d", NonTransactional),
+        ("REINDEX SCHEMA public", NonTransactional),
+        ("reindex (verbose) schema s", NonTransactional),
         ("REINDEX TABLE t", MayWrite),
         ("CLUSTER", NonTransactional),
         ("CLUSTER VERBOSE", NonTransactional),
@@ -671,6 +673,39 @@ fn non_transactional() {
         ),
         ("ALTER TABLE p ADD COLUMN a int", MayWrite),
     ]);
+}
+
+/// Measured with PostgreSQL 15: each Executed in a batch, then a `VACUUM` Query before the
+/// Sync (refused "within a pipeline" after those that commit transactions of their own).
+#[test]
+fn commits_at_once() {
+    let at_once = |sql: &str| analyze(sql.as_bytes()).statements[0].commits_at_once;
+    for sql in [
+        "DISCARD ALL",
+        "CREATE DATABASE d",
+        "DROP DATABASE d",
+        "ALTER SYSTEM SET work_mem = '4MB'",
+        "ALTER DATABASE d SET TABLESPACE pg_default",
+        "CREATE TABLESPACE t LOCATION '/x'",
+    ] {
+        assert!(at_once(sql), "{sql}");
+    }
+    for sql in [
+        "VACUUM",
+        "vacuum (analyze) t",
+        "CREATE INDEX CONCURRENTLY i ON t (a)",
+        "DROP INDEX CONCURRENTLY i",
+        "REINDEX TABLE CONCURRENTLY t",
+        "REINDEX SCHEMA s",
+        "REINDEX DATABASE d",
+        "CLUSTER VERBOSE",
+        "ALTER TABLE p DETACH PARTITION c CONCURRENTLY",
+        "CALL p()",
+        "DISCARD PLANS",
+        "INSERT INTO t VALUES (1)",
+    ] {
+        assert!(!at_once(sql), "{sql}");
+    }
 }
 
 #[test]
