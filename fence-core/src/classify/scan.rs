@@ -845,8 +845,10 @@ impl<'a> Scan<'a> {
                     .iter()
                     .any(|w| self.word_is(0, w))
                     || (self.word_is(0, "alter") && self.word_is(1, "table"))
-                    || self.seen.concurrently
-                        && (self.word_is(0, "create") || self.word_is(0, "drop"));
+                    || ((self.word_is(0, "create") || self.word_is(0, "drop"))
+                        && !["database", "tablespace", "subscription"]
+                            .iter()
+                            .any(|w| self.word_is(1, w)));
                 !commits_inside
             }
             StatementKind::Discard => self.block_sensitive(),

@@ -687,6 +687,7 @@ fn commits_at_once() {
         "ALTER SYSTEM SET work_mem = '4MB'",
         "ALTER DATABASE d SET TABLESPACE pg_default",
         "CREATE TABLESPACE t LOCATION '/x'",
+        "DROP DATABASE concurrently",
     ] {
         assert!(at_once(sql), "{sql}");
     }
