@@ -106,6 +106,15 @@ pub enum ShutdownMode {
 }
 
 impl ShutdownMode {
+    /// Its name in logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ShutdownMode::WaitForClients => "wait_for_clients",
+            ShutdownMode::Drain => "drain",
+            ShutdownMode::Immediate => "immediate",
+        }
+    }
+
     /// How patient a mode is; a shutdown in progress only moves to a lower one.
     fn patience(self) -> u8 {
         match self {
@@ -190,7 +199,7 @@ pub async fn run_with(
     tracker.close();
     let timeout = shared.config().limits.shutdown_timeout;
     info!(
-        ?mode,
+        mode = mode.as_str(),
         sessions = tracker.len(),
         ?timeout,
         "shutting down: no longer accepting clients"

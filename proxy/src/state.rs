@@ -223,7 +223,7 @@ impl Shared {
         let restart_only = old.restart_only_changes(&new);
         if !restart_only.is_empty() {
             warn!(
-                settings = ?restart_only,
+                settings = restart_only.join(", ").as_str(),
                 "reload: these settings only change at restart; they keep their old values"
             );
         }
@@ -242,7 +242,14 @@ impl Shared {
                 "reload failed, the previous configuration stays in force: {e}"
             ));
         }
-        info!(path = ?source.path, "configuration reloaded: new sessions use it");
+        let config_file = source.path.as_deref().map_or_else(
+            || "(none: options only)".into(),
+            |p| p.display().to_string(),
+        );
+        info!(
+            config_file = config_file.as_str(),
+            "configuration reloaded: new sessions use it"
+        );
         Ok(())
     }
 

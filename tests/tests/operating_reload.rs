@@ -125,7 +125,13 @@ async fn new_sessions_follow_reloads() {
     rewrite_config(&path, |c| c.fence.on_missing_token = OnMissingToken::Allow);
     let from = proxy.logs().len();
     proxy.signal(Signal::SIGHUP);
-    wait_for_log(&proxy, from, RELOADED);
+    let logs = wait_for_log(&proxy, from, RELOADED);
+    // The file by name, under a key of its own (`path` is a rejection's fast or database).
+    let line = logs[from..].lines().find(|l| l.contains(RELOADED)).unwrap();
+    assert!(
+        line.contains("config_file=") && !line.contains("Some(") && !line.contains(" path="),
+        "{line}"
+    );
     let second = session(&proxy, "second").await;
     write(&second)
         .await
