@@ -711,7 +711,13 @@ async fn a_database_without_the_schema_says_how_to_install_it() {
         .filter(|e| level(e) == "WARN" && str_field(e, "database") == APP_DB)
         .collect();
     assert_eq!(warned.len(), 1, "one WARN for the database:\n{logs}");
-    assert!(message(&warned[0]).contains(&hint), "{:?}", warned[0]);
+    // The operator's command names the server (run as the hint says, without it, it went
+    // to 127.0.0.1:5432); the client's hint does not.
+    let command = format!(
+        "run `pgfence install --upstream 127.0.0.1:{} --database {APP_DB}`",
+        cluster.port()
+    );
+    assert!(message(&warned[0]).contains(&command), "{:?}", warned[0]);
     assert_eq!(
         direct
             .query_one("SELECT count(*) FROM ledger", &[])

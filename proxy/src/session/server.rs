@@ -459,17 +459,21 @@ impl Session {
     fn schema_missing(&self, message: &[u8]) -> String {
         let database = &self.database;
         if self.shared.first_report_of_missing_schema(database) {
+            let upstream = self.shared.config().upstream.to_string();
             tracing::warn!(
                 database = database.as_str(),
                 error = %String::from_utf8_lossy(message),
-                "writes through pgfence fail in this database: schema pgfence is missing or \
-                 older than this pgfence; run `pgfence install --database {database}`"
+                "writes through pgfence fail in this database (and reads whose text may \
+                 write): schema pgfence is missing or older than this pgfence; run `pgfence install --upstream {upstream} \
+                 --database {database}` (or with --config and pgfence's file)"
             );
         }
+        // The client is not told where the server is.
         format!(
             "pgfence's schema is missing in database \"{database}\", or older than this \
-             pgfence: run `pgfence install --database {database}` (see pgfence's README), \
-             then try again."
+             pgfence: run `pgfence install --database {database}` against the server behind \
+             pgfence (with pgfence's --upstream, or --config and its file; see pgfence's \
+             README), then try again."
         )
     }
 
