@@ -41,8 +41,12 @@ pub enum Chars {
     /// Not known, or a multi-byte encoding other than UTF-8: positions are left as they are.
     #[default]
     Unknown,
-    /// A single-byte encoding.
+    /// A single-byte encoding (other than the two below).
     Bytes,
+    /// LATIN1 (ISO 8859-1): single-byte, each byte the Unicode character of its value.
+    Latin1,
+    /// SQL_ASCII: bytes as the client sent them, counted one a character.
+    SqlAscii,
     Utf8,
 }
 
@@ -50,7 +54,8 @@ impl Chars {
     fn of(encoding: &str) -> Chars {
         match encoding {
             "UTF8" => Chars::Utf8,
-            "SQL_ASCII" => Chars::Bytes,
+            "SQL_ASCII" => Chars::SqlAscii,
+            "LATIN1" => Chars::Latin1,
             e if ["LATIN", "ISO_8859_", "WIN", "KOI8"]
                 .iter()
                 .any(|p| e.starts_with(p)) =>
@@ -505,7 +510,7 @@ impl Session {
     pub(super) fn char_count(&self, text: &[u8]) -> Option<u64> {
         match self.chars {
             Chars::Unknown => None,
-            Chars::Bytes => Some(text.len() as u64),
+            Chars::Bytes | Chars::Latin1 | Chars::SqlAscii => Some(text.len() as u64),
             // Every byte but UTF-8's continuation bytes starts a character.
             Chars::Utf8 => Some(text.iter().filter(|&&b| b & 0xC0 != 0x80).count() as u64),
         }
@@ -735,7 +740,7 @@ impl Session {
                 .map(Remembered::text),
         };
         let statement = text
-            .map(|t| truncate_chars(&String::from_utf8_lossy(t), 200))
+            .map(|t| loggable_text(t, self.chars, 200))
             .unwrap_or_default();
         let resource = rejection.resource.clone().unwrap_or_default();
         let token = rejection.token.clone().unwrap_or_default();
@@ -822,10 +827,80 @@ pub const INVALID_RESOURCE_LABEL: &str = "(invalid)";
 /// configured nor a default, and has no fence pgfence knows of.
 pub const UNKNOWN_RESOURCE_LABEL: &str = "(unknown)";
 
-/// The first `max` characters of `s`.
-pub fn truncate_chars(s: &str, max: usize) -> String {
-    match s.char_indices().nth(max) {
-        Some((i, _)) => s[..i].to_string(),
-        None => s.to_string(),
+/// The first `max` characters of a client's SQL text, for a log line, without losing a
+/// byte: LATIN1 as the Unicode characters its bytes stand for, UTF-8 (and SQL_ASCII, most
+/// often UTF-8) as it is, and every other byte (invalid UTF-8, or a non-ASCII byte of an
+/// encoding pgfence does not convert) as `\xNN`, which counts as one character.
+pub fn loggable_text(text: &[u8], chars: Chars, max: usize) -> String {
+    fn escape(out: &mut String, b: u8) {
+        use std::fmt::Write;
+        let _ = write!(out, "\\x{b:02X}");
+    }
+    let mut out = String::with_capacity(text.len().min(max));
+    match chars {
+        Chars::Latin1 => out.extend(text.iter().take(max).map(|&b| char::from(b))),
+        Chars::Utf8 | Chars::SqlAscii => {
+            let mut n = 0;
+            'text: for chunk in text.utf8_chunks() {
+                for c in chunk.valid().chars() {
+                    if n == max {
+                        break 'text;
+                    }
+                    out.push(c);
+                    n += 1;
+                }
+                for &b in chunk.invalid() {
+                    if n == max {
+                        break 'text;
+                    }
+                    escape(&mut out, b);
+                    n += 1;
+                }
+            }
+        }
+        Chars::Bytes | Chars::Unknown => {
+            for &b in text.iter().take(max) {
+                if b.is_ascii() {
+                    out.push(char::from(b));
+                } else {
+                    escape(&mut out, b);
+                }
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{loggable_text, Chars};
+
+    #[test]
+    fn logged_text_loses_no_byte() {
+        let latin1 = b"INSERT INTO t VALUES ('caf\xE9')";
+        assert_eq!(
+            loggable_text(latin1, Chars::Latin1, 200),
+            "INSERT INTO t VALUES ('café')"
+        );
+        assert_eq!(
+            loggable_text(latin1, Chars::Bytes, 200),
+            "INSERT INTO t VALUES ('caf\\xE9')"
+        );
+        assert_eq!(
+            loggable_text(latin1, Chars::Utf8, 200),
+            "INSERT INTO t VALUES ('caf\\xE9')"
+        );
+        assert_eq!(
+            loggable_text("日本 é".as_bytes(), Chars::Utf8, 200),
+            "日本 é"
+        );
+        // Cut at characters, an escaped byte counting as one.
+        assert_eq!(loggable_text("日本語".as_bytes(), Chars::Utf8, 2), "日本");
+        assert_eq!(loggable_text(b"a\xFF\xFEb", Chars::SqlAscii, 2), "a\\xFF");
+        assert_eq!(
+            loggable_text(&[0xE9; 300], Chars::Latin1, 200),
+            "é".repeat(200)
+        );
+        assert_eq!(loggable_text(b"ab\xE9", Chars::Unknown, 3), "ab\\xE9");
     }
 }
