@@ -648,6 +648,21 @@ async fn a_rejection_names_its_own_transactions_statement() {
         "an autocommit read, extended protocol",
     );
 
+    // A client whose encoding is LATIN1: its text converted, not U+FFFD (review H, stop 54).
+    let mut latin1 = RawConn::login_with_params(
+        proxy.addr(),
+        &[
+            ("user", SUPERUSER.as_bytes()),
+            ("database", APP_DB.as_bytes()),
+            ("options", options.as_bytes()),
+            ("client_encoding", b"LATIN1"),
+        ],
+    );
+    let mut text = insert(6, "caf").into_bytes();
+    text.insert(text.len() - 2, 0xE9);
+    latin1.send(&wire::query(&text));
+    assert!(has_fn001(&latin1.until_ready()), "the LATIN1 write");
+
     let function_call = "FunctionCall (function oid 957)".to_string();
     let expected = [
         first,
@@ -656,6 +671,7 @@ async fn a_rejection_names_its_own_transactions_statement() {
         function_call,
         read_simple,
         read_extended,
+        insert(6, "café"),
     ];
     let statements = eventually(
         "every rejection logged",
