@@ -72,6 +72,9 @@ impl Command {
                     ));
                 }
             },
+            ["KILL_CLIENT", ..] => {
+                return Err("KILL_CLIENT takes one client id from SHOW CLIENTS".to_string())
+            }
             _ => return Err(format!("unknown admin command {text:?}: try SHOW HELP")),
         })
     }
@@ -423,7 +426,14 @@ mod tests {
                 .ends_with("not \"abc\""),
             "the id as written"
         );
-        assert!(Command::parse(b"KILL_CLIENT").is_err());
+        for bare in ["KILL_CLIENT", "kill_client 1 2"] {
+            assert!(
+                Command::parse(bare.as_bytes())
+                    .unwrap_err()
+                    .contains("one client id from SHOW CLIENTS"),
+                "{bare}"
+            );
+        }
         assert!(Command::parse(b"DROP TABLE x")
             .unwrap_err()
             .contains("SHOW HELP"));

@@ -186,8 +186,8 @@ async fn report_read_audit(client: &Client, config: &Config, database: &str) {
         warn!(
             database,
             "the event trigger pgfence_read_audit was not created (it takes a superuser): \
-             every session start audits the catalog instead (a few milliseconds of server \
-             time each); run `pgfence install` as a superuser to keep the verdict instead"
+             sessions audit the catalog instead (milliseconds to tens of milliseconds of \
+             server time, at most once a second per database and pgfence, see README); run `pgfence install` as a superuser to keep the verdict instead"
         );
     }
 }
