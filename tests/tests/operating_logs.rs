@@ -721,6 +721,17 @@ async fn a_database_without_the_schema_says_how_to_install_it() {
         .expect("reads go on")
         .get(0);
     assert_eq!(one, 1);
+    // Reads of built-ins a newcomer or a monitor runs first (psql's `\l`) skip the check,
+    // which needs the schema: they once failed with 3F000 too (review H, stop 54).
+    for read in [
+        "SELECT pg_catalog.pg_get_userbyid(d.datdba), \
+         pg_catalog.pg_encoding_to_char(d.encoding), \
+         pg_catalog.array_to_string(d.datacl, E'\\n') FROM pg_catalog.pg_database d",
+        "SELECT pg_size_pretty(pg_database_size(current_database())), \
+         txid_current_if_assigned(), pg_current_xact_id_if_assigned()",
+    ] {
+        client.simple_query(read).await.expect(read);
+    }
     let logs = proxy.logs();
     let warned: Vec<Event> = json_events(&logs)
         .into_iter()

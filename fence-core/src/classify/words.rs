@@ -466,6 +466,18 @@ pub(super) fn is_allowed_function(w: &[u8]) -> bool {
             | b"inet_client_addr"
             | b"inet_server_addr"
             | b"pg_is_in_recovery"
+            // Whether the transaction has written, as a deposed leader checks its state:
+            // these do not assign a transaction id (`txid_current` does, and is not here).
+            | b"txid_current_if_assigned"
+            | b"pg_current_xact_id_if_assigned"
+            // Sizes and names psql's `\l` and `\l+` and monitoring queries read.
+            | b"pg_encoding_to_char"
+            | b"pg_size_pretty"
+            | b"pg_database_size"
+            | b"pg_relation_size"
+            | b"pg_table_size"
+            | b"pg_indexes_size"
+            | b"pg_total_relation_size"
             // Catalog lookups drivers and ORMs make while introspecting (SQLAlchemy's
             // hstore lookup, schema reflection): reads of the catalogs only.
             | b"to_regclass"
