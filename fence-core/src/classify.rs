@@ -96,7 +96,8 @@ pub enum StatementKind {
     /// Cannot run in a transaction block, or commits internally, so it cannot be fenced
     /// atomically: `VACUUM`, `CREATE`/`DROP DATABASE`, `CREATE`/`DROP TABLESPACE`,
     /// `ALTER SYSTEM`, `CREATE`/`DROP INDEX CONCURRENTLY`, `REINDEX ... CONCURRENTLY`,
-    /// `REINDEX SCHEMA`/`SYSTEM`/`DATABASE`, `CLUSTER` without a table, `CALL`, `ALTER DATABASE ... SET
+    /// every `REINDEX`, `CLUSTER` and `ANALYZE` (outside a block each commits a transaction
+    /// per relation where it acts on several, a partitioned table's partitions say), `CALL`, `ALTER DATABASE ... SET
     /// TABLESPACE`, `CREATE`/`DROP SUBSCRIPTION`, `ALTER SUBSCRIPTION ... PUBLICATION`,
     /// `ALTER TABLE ... DETACH PARTITION ... CONCURRENTLY`.
     NonTransactional,

@@ -1396,6 +1396,29 @@ async fn non_transactional_statements_are_prechecked() {
         "the pre-check of CALL advances the fence"
     );
 
+    // A partitioned table whose index expression calls a function that writes: `REINDEX`,
+    // `CLUSTER` and `ANALYZE` of it commit a transaction per partition outside a block, and
+    // with it that write (a stale one committed over the extended protocol, and the leader's
+    // simple Query failed "cannot run inside a transaction block"; review I, stop 54).
+    fx.direct
+        .batch_execute(
+            "CREATE TABLE nt_audit (x text); \
+             CREATE FUNCTION nt_g() RETURNS int LANGUAGE plpgsql VOLATILE AS \
+               $$ BEGIN INSERT INTO nt_audit VALUES ('w'); RETURN 1; END $$; \
+             CREATE FUNCTION nt_f(int) RETURNS int LANGUAGE plpgsql IMMUTABLE AS \
+               $$ BEGIN RETURN $1 + nt_g(); END $$; \
+             CREATE TABLE ntp (a int) PARTITION BY RANGE (a); \
+             CREATE TABLE ntp1 PARTITION OF ntp FOR VALUES FROM (0) TO (100); \
+             INSERT INTO ntp VALUES (1); CREATE INDEX ntp_fi ON ntp ((nt_f(a))); \
+             DELETE FROM nt_audit",
+        )
+        .await
+        .expect("partitioned table");
+    let per_partition = [
+        "REINDEX TABLE ntp",
+        "CLUSTER ntp USING ntp_fi",
+        "ANALYZE ntp",
+    ];
     let vacuums = "(SELECT vacuum_count FROM pg_stat_user_tables WHERE relname = 'nt') v \
                    WHERE vacuum_count > 0";
     let mut old = fx.leader(r, 33).await;
@@ -1412,7 +1435,10 @@ async fn non_transactional_statements_are_prechecked() {
                 "CALL nt_proc('stale')",
                 "VACUUM nt",
                 "CREATE INDEX CONCURRENTLY nt_stale ON nt (tag)",
-            ] {
+            ]
+            .into_iter()
+            .chain(per_partition)
+            {
                 s.expect_rejection(protocol, &[sql], &stale(r, 33, 34), who)
                     .await;
             }
@@ -1420,6 +1446,11 @@ async fn non_transactional_statements_are_prechecked() {
     }
     assert_eq!(fx.count("nt WHERE tag LIKE 'stale%'").await, 0, "CALL ran");
     assert_eq!(fx.count(vacuums).await, 0, "VACUUM ran");
+    assert_eq!(
+        fx.count("nt_audit").await,
+        0,
+        "a stale per-partition statement wrote"
+    );
     assert_eq!(
         fx.count("pg_class WHERE relname = 'nt_stale'").await,
         0,
@@ -1437,6 +1468,20 @@ async fn non_transactional_statements_are_prechecked() {
     // ("REINDEX SCHEMA cannot run inside a transaction block").
     leader.simple("REINDEX SCHEMA public").await.unwrap();
     leader.extended("REINDEX SCHEMA public").await.unwrap();
+    for sql in per_partition {
+        leader
+            .simple(sql)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+        leader
+            .extended(sql)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+    assert!(
+        fx.count("nt_audit").await > 0,
+        "the leader's statements wrote"
+    );
     assert_eq!(fx.count(vacuums).await, 1);
     assert_eq!(fx.count("nt WHERE tag LIKE 'c%'").await, 2);
     assert_eq!(fx.count("pg_class WHERE relname = 'nt_current'").await, 1);

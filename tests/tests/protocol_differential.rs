@@ -346,6 +346,28 @@ fn main_steps(abs_oid: u32) -> Vec<Step> {
             Ready(2),
         ),
         step(
+            // `CREATE SUBSCRIPTION ... WITH (connect = false)` refuses no block and runs in
+            // the batch's transaction: the `VACUUM` after it is refused "within a pipeline"
+            // and the batch rolls back, on both (pgfence took it for a statement that commits
+            // at once, and the `INSERT` and the subscription committed; review I, stop 54).
+            "VACUUM inside a batch, behind an Executed CREATE SUBSCRIPTION without connect",
+            cat(&[
+                pbe("INSERT INTO d VALUES (28, 's')", &[]),
+                pbe(
+                    "CREATE SUBSCRIPTION ds CONNECTION 'dbname=nowhere' PUBLICATION p \
+                     WITH (connect = false)",
+                    &[],
+                ),
+                q("VACUUM d"),
+                wire::sync(),
+                q(
+                    "SELECT (SELECT count(*) FROM pg_subscription WHERE subname = 'ds'), \
+                   (SELECT count(*) FROM d WHERE id = 28)",
+                ),
+            ]),
+            Ready(3),
+        ),
+        step(
             // `COMMIT AND CHAIN` opens a new block at once: the `VACUUM` fails in it, on
             // both.
             "VACUUM inside a batch, behind an Executed COMMIT AND CHAIN",

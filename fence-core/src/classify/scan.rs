@@ -809,12 +809,18 @@ impl<'a> Scan<'a> {
             // DO is an ordinary statement: when pgfence adds its check after it, a DO that
             // COMMITs inside fails ("invalid transaction termination") instead of committing
             // unfenced writes, so its writes are fenced atomically.
-            b"vacuum" | b"call" => NonTransactional,
+            // `ANALYZE`, `REINDEX` and `CLUSTER` too, in every form: outside a block they
+            // commit a transaction per relation where they act on several (a partitioned
+            // table, `ANALYZE` of two tables or of all), which the text cannot tell, and with
+            // it what the functions of an index expression wrote; a check at the Sync came
+            // too late (review I, stop 54: a stale `REINDEX TABLE` of a partitioned table
+            // committed the writes of its index expression's function).
+            b"vacuum" | b"call" | b"analyze" | b"analyse" | b"reindex" | b"cluster" => {
+                NonTransactional
+            }
             b"execute" => Execute,
             b"create" | b"drop" => self.create_or_drop(),
             b"alter" => self.alter(),
-            b"reindex" => self.reindex(),
-            b"cluster" => self.cluster(),
             // Keep in step with `head_decides`: a word listed here must be listed there.
             _ => MayWrite,
         }
@@ -835,21 +841,24 @@ impl<'a> Scan<'a> {
         }
     }
 
-    /// See [`Statement::commits_at_once`]: the non-transactional statements but `CALL` and
-    /// those that commit transactions of their own (every non-transactional `VACUUM`,
-    /// `REINDEX`, `CLUSTER`, `ALTER TABLE` and `CREATE`/`DROP INDEX`), and `DISCARD ALL`.
+    /// See [`Statement::commits_at_once`]: the non-transactional statements that always
+    /// refuse a block and run in one transaction (`CREATE`/`DROP DATABASE`, `ALTER DATABASE
+    /// ... SET TABLESPACE`, `CREATE`/`DROP TABLESPACE`, `ALTER SYSTEM`), and `DISCARD ALL`.
+    /// Not `CALL`, `ANALYZE`, `REINDEX` or `CLUSTER` (which a block may hold), nor those
+    /// that commit transactions of their own (`VACUUM`, `CREATE`/`DROP INDEX CONCURRENTLY`,
+    /// `DETACH PARTITION ... CONCURRENTLY`), nor the subscription commands, which refuse a
+    /// block only with some options (`CREATE SUBSCRIPTION ... WITH (connect = false)` runs
+    /// in one): taken for one that commits at once where it did not, a statement after it
+    /// ran in a new transaction and pgfence committed what PostgreSQL rolls back (review
+    /// I). Where it is not known, the batch goes on as pipelined: PostgreSQL may run a
+    /// `VACUUM` Query after it that pgfence makes fail "within a pipeline".
     fn commits_at_once(&self) -> bool {
         match self.kind() {
             StatementKind::NonTransactional => {
-                let commits_inside = ["call", "vacuum", "reindex", "cluster"]
-                    .iter()
-                    .any(|w| self.word_is(0, w))
-                    || (self.word_is(0, "alter") && self.word_is(1, "table"))
-                    || ((self.word_is(0, "create") || self.word_is(0, "drop"))
-                        && !["database", "tablespace", "subscription"]
-                            .iter()
-                            .any(|w| self.word_is(1, w)));
-                !commits_inside
+                let first = |words: &[&str]| words.iter().any(|w| self.word_is(0, w));
+                let second = |words: &[&str]| words.iter().any(|w| self.word_is(1, w));
+                (first(&["create", "drop"]) && second(&["database", "tablespace"]))
+                    || (first(&["alter"]) && second(&["database", "system"]))
             }
             StatementKind::Discard => self.block_sensitive(),
             _ => false,
@@ -969,41 +978,6 @@ impl<'a> Scan<'a> {
             || (self.word_is(1, "subscription") && self.seen.publication)
             || (self.word_is(1, "table") && self.seen.concurrently);
         if non_transactional {
-            StatementKind::NonTransactional
-        } else {
-            StatementKind::MayWrite
-        }
-    }
-
-    fn reindex(&self) -> StatementKind {
-        let target = self
-            .words()
-            .iter()
-            .skip(1)
-            .copied()
-            .find(|t| t.kind != TokKind::LParen);
-        let whole = target.is_some_and(|t| {
-            ["schema", "system", "database"]
-                .iter()
-                .any(|k| is_keyword(self.text(t), k))
-        });
-        if whole || self.seen.concurrently {
-            StatementKind::NonTransactional
-        } else {
-            StatementKind::MayWrite
-        }
-    }
-
-    /// `CLUSTER`, `CLUSTER VERBOSE` and `CLUSTER (options)` recluster every table, each in
-    /// its own transaction.
-    fn cluster(&self) -> StatementKind {
-        let no_table = self.n_words <= MAX_WORDS
-            && self
-                .words()
-                .iter()
-                .skip(1)
-                .all(|&t| t.kind == TokKind::LParen || is_keyword(self.text(t), "verbose"));
-        if no_table {
             StatementKind::NonTransactional
         } else {
             StatementKind::MayWrite
@@ -1138,6 +1112,8 @@ fn head_decides(w: &[u8]) -> bool {
             | b"alter"
             | b"reindex"
             | b"cluster"
+            | b"analyze"
+            | b"analyse"
     )
 }
 

@@ -613,7 +613,7 @@ fn other_read_only_statements() {
         ("COPY t TO '/tmp/t.csv'", MayWrite),
         ("COPY t TO PROGRAM 'gzip > /tmp/t.gz'", MayWrite),
         ("LOCK TABLE t", MayWrite),
-        ("ANALYZE t", MayWrite),
+        ("ANALYZE t", NonTransactional),
         ("TRUNCATE t", MayWrite),
         ("CREATE TABLE t (a int)", MayWrite),
         ("CHECKPOINT", MayWrite),
@@ -649,11 +649,15 @@ fn non_transactional() {
         ("REINDEX (VERBOSE) SYSTEM d", NonTransactional),
         ("REINDEX SCHEMA public", NonTransactional),
         ("reindex (verbose) schema s", NonTransactional),
-        ("REINDEX TABLE t", MayWrite),
+        ("REINDEX TABLE t", NonTransactional),
+        ("reindex index i", NonTransactional),
+        ("ANALYZE", NonTransactional),
+        ("analyze t1, t2", NonTransactional),
+        ("ANALYSE (VERBOSE) t", NonTransactional),
         ("CLUSTER", NonTransactional),
         ("CLUSTER VERBOSE", NonTransactional),
         ("CLUSTER (VERBOSE)", NonTransactional),
-        ("CLUSTER t USING i", MayWrite),
+        ("CLUSTER t USING i", NonTransactional),
         ("CALL my_proc(1)", NonTransactional),
         (
             "DO $$ BEGIN INSERT INTO t VALUES (1); COMMIT; END $$",
@@ -688,6 +692,7 @@ fn commits_at_once() {
         "ALTER DATABASE d SET TABLESPACE pg_default",
         "CREATE TABLESPACE t LOCATION '/x'",
         "DROP DATABASE concurrently",
+        "ALTER DATABASE concurrently SET TABLESPACE t",
     ] {
         assert!(at_once(sql), "{sql}");
     }
@@ -702,6 +707,12 @@ fn commits_at_once() {
         "CLUSTER VERBOSE",
         "ALTER TABLE p DETACH PARTITION c CONCURRENTLY",
         "CALL p()",
+        "ANALYZE",
+        "REINDEX TABLE t",
+        "CLUSTER t USING i",
+        "CREATE SUBSCRIPTION s CONNECTION 'x' PUBLICATION p WITH (connect = false)",
+        "DROP SUBSCRIPTION s",
+        "ALTER SUBSCRIPTION s REFRESH PUBLICATION",
         "DISCARD PLANS",
         "INSERT INTO t VALUES (1)",
     ] {
