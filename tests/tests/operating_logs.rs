@@ -648,6 +648,20 @@ async fn a_rejection_names_its_own_transactions_statement() {
         "an autocommit read, extended protocol",
     );
 
+    // A statement checked before its Bind, in a transaction of its own (it cannot be fenced
+    // atomically), after a read: named, not the read (review I, stop 54).
+    raw.send(&wire::query("SELECT 1"));
+    raw.until_ready();
+    raw.send(
+        &[
+            wire::parse("", "VACUUM ledger", &[]),
+            wire::bind("", "", &[]),
+            wire::execute("", 0),
+            wire::sync(),
+        ]
+        .concat(),
+    );
+    assert!(has_fn001(&raw.until_ready()), "the stale VACUUM");
     // A client whose encoding is LATIN1: its text converted, not U+FFFD (review H, stop 54).
     let mut latin1 = RawConn::login_with_params(
         proxy.addr(),
@@ -671,6 +685,7 @@ async fn a_rejection_names_its_own_transactions_statement() {
         function_call,
         read_simple,
         read_extended,
+        "VACUUM ledger".to_string(),
         insert(6, "café"),
     ];
     let statements = eventually(

@@ -397,6 +397,8 @@ impl Session {
             None if non_transactional && self.precheck_possible() => {
                 if let Some(p) = &prepared {
                     self.tx.add_directives(&p.analysis.directives);
+                    // What a rejection log names (it once named the session's last Query).
+                    self.last_write = Some(Remembered::Prepared(p.clone()));
                 }
                 self.inject_check_with_sync(true, AfterCheck::Release);
                 return Ok(self.hold_until_answered());
