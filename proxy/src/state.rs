@@ -230,6 +230,7 @@ impl Shared {
         let mut new = new;
         // Keep what cannot change live.
         new.listen = old.listen;
+        new.unix_socket_dir = old.unix_socket_dir.clone();
         new.telemetry.metrics_addr = old.telemetry.metrics_addr;
         new.telemetry.log_format = old.telemetry.log_format;
         new.fence.install = old.fence.install.clone();

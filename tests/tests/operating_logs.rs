@@ -756,7 +756,7 @@ async fn a_database_without_the_schema_says_how_to_install_it() {
     // The operator's command names the server (run as the hint says, without it, it went
     // to 127.0.0.1:5432); the client's hint does not.
     let command = format!(
-        "run `pgfence install --upstream 127.0.0.1:{} --database {APP_DB}`",
+        "run `pgfence install --upstream 127.0.0.1:{} --database {APP_DB:?}`",
         cluster.port()
     );
     assert!(message(&warned[0]).contains(&command), "{:?}", warned[0]);
@@ -845,7 +845,7 @@ async fn a_schema_older_than_version_9_checks_reads_and_is_reported_once() {
         warned[0]
     );
     assert!(
-        message(&warned[0]).contains(&format!("`pgfence install --database {APP_DB}`")),
+        message(&warned[0]).contains(&format!("`pgfence install --database {APP_DB:?}`")),
         "{:?}",
         warned[0]
     );

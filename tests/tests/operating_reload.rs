@@ -273,6 +273,7 @@ async fn restart_only_settings_are_reported() {
 
     rewrite_config(&path, |c| {
         c.listen = new_listen.parse().expect("an address");
+        c.unix_socket_dir = Some(std::env::temp_dir().display().to_string());
         c.telemetry.log_format = pgfence_config::LogFormat::Json;
         c.fence.on_missing_token = OnMissingToken::Allow;
     });
@@ -294,6 +295,22 @@ async fn restart_only_settings_are_reported() {
     );
     assert_eq!(shown(&proxy, "listen").await, old_listen.to_string());
     assert_eq!(shown(&proxy, "telemetry.log_format").await, "text");
+    // SHOW CONFIG once showed the new directory, where nothing listened (review I, stop 54):
+    // none is in force.
+    let socket_dir = proxy
+        .connect(CONSOLE)
+        .await
+        .simple_query("SHOW CONFIG")
+        .await
+        .expect("SHOW CONFIG")
+        .iter()
+        .find_map(|m| match m {
+            SimpleQueryMessage::Row(r) if r.get(0) == Some("unix_socket_dir") => {
+                r.get(1).map(str::to_string)
+            }
+            _ => None,
+        });
+    assert_eq!(socket_dir, None);
     write(&session(&proxy, "after-reload").await)
         .await
         .expect("on_missing_token = allow applied");

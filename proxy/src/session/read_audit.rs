@@ -250,7 +250,7 @@ impl Session {
                     format_args!(
                         "schema pgfence in this database is older than version 9 (no \
                          pgfence.reads_may_write(integer)): every transaction is checked, reads \
-                         too, until `pgfence install --database {}` upgrades it",
+                         too, until `pgfence install --database {:?}` upgrades it",
                         self.database
                     ),
                 );
@@ -275,7 +275,7 @@ impl Session {
                             "cannot ask whether reads may write in this database: reads skip \
                              the check as the classifier says, and one that writes through the \
                              schema commits unchecked; grant EXECUTE on pgfence's functions \
-                             (`pgfence install --database {}` grants them to `fence.grant_to`)",
+                             (`pgfence install --database {:?}` grants them to `fence.grant_to`)",
                             self.database
                         ),
                     );

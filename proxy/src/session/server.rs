@@ -464,8 +464,9 @@ impl Session {
                 database = database.as_str(),
                 error = %String::from_utf8_lossy(message),
                 "writes through pgfence fail in this database (and reads whose text may \
-                 write): schema pgfence is missing or older than this pgfence; run `pgfence install --upstream {upstream} \
-                 --database {database}` (or with --config and pgfence's file)"
+                 write): schema pgfence is missing or older than this pgfence; run \
+                 `pgfence install --upstream {upstream} --database {database:?}` (or with \
+                 --config and pgfence's file)"
             );
         }
         // The client is not told where the server is.
