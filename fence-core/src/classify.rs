@@ -95,9 +95,9 @@ pub enum StatementKind {
     PrepareTransaction,
     /// Cannot run in a transaction block, or commits internally, so it cannot be fenced
     /// atomically: `VACUUM`, `CREATE`/`DROP DATABASE`, `CREATE`/`DROP TABLESPACE`,
-    /// `ALTER SYSTEM`, `CREATE`/`DROP INDEX CONCURRENTLY`, `REINDEX ... CONCURRENTLY`,
-    /// every `REINDEX`, `CLUSTER` and `ANALYZE` (outside a block each commits a transaction
-    /// per relation where it acts on several, a partitioned table's partitions say), `CALL`, `ALTER DATABASE ... SET
+    /// `ALTER SYSTEM`, `CREATE`/`DROP INDEX CONCURRENTLY`, every `REINDEX`, `CLUSTER` and
+    /// `ANALYZE` (outside a block each commits a transaction per relation where it acts on
+    /// several, a partitioned table's partitions say), `CALL`, `ALTER DATABASE ... SET
     /// TABLESPACE`, `CREATE`/`DROP SUBSCRIPTION`, `ALTER SUBSCRIPTION ... PUBLICATION`,
     /// `ALTER TABLE ... DETACH PARTITION ... CONCURRENTLY`.
     NonTransactional,
@@ -190,14 +190,15 @@ pub struct Statement {
     /// also [`StatementKind::NonTransactional`]: a Query of it alone is checked first, in a
     /// transaction of its own).
     pub may_commit_inside: bool,
-    /// Refused in a transaction block, and committed as soon as it has run, in the one
-    /// transaction it ran in (`PreventInTransactionBlock`: `DISCARD ALL`, `CREATE
+    /// Always refused in a transaction block, and committed as soon as it has run, in the
+    /// one transaction it ran in (`PreventInTransactionBlock`: `DISCARD ALL`, `CREATE
     /// DATABASE`, `ALTER SYSTEM`, ...): an Execute of it leaves no pipelined transaction
-    /// behind. Not `CALL`, nor a statement that commits transactions of its own as it runs
-    /// (`VACUUM`, `CREATE`/`DROP INDEX CONCURRENTLY`, `REINDEX` of more than a table or
-    /// `CONCURRENTLY`, `CLUSTER` without a table, `DETACH PARTITION ... CONCURRENTLY`):
-    /// PostgreSQL forgets there that it was to commit at once, and the batch's next
-    /// statement is pipelined (a `VACUUM` Query after it is refused "within a pipeline").
+    /// behind. Not `CALL`, `ANALYZE`, `REINDEX` or `CLUSTER` (a block may hold them), nor a
+    /// statement that commits transactions of its own as it runs (`VACUUM`, `CREATE`/`DROP
+    /// INDEX CONCURRENTLY`, ...: PostgreSQL forgets there that it was to commit at once,
+    /// and the batch's next statement is pipelined, a `VACUUM` Query after it refused
+    /// "within a pipeline"), nor the subscription commands (refused in a block only with
+    /// some options).
     pub commits_at_once: bool,
     /// `CREATE` or `ALTER` of an object that may give a read a way to call a function of
     /// the database's own (a view, a function, a policy, a rule, a cast, ...): any but

@@ -187,7 +187,8 @@ async fn report_read_audit(client: &Client, config: &Config, database: &str) {
             database,
             "the event trigger pgfence_read_audit was not created (it takes a superuser): \
              sessions audit the catalog instead (milliseconds to tens of milliseconds of \
-             server time, at most once a second per database and pgfence, see README); run `pgfence install` as a superuser to keep the verdict instead"
+             server time, at most once a second per database and pgfence, see README); run \
+             `pgfence install` as a superuser to keep the verdict instead"
         );
     }
 }
