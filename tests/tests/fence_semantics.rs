@@ -1445,6 +1445,47 @@ async fn non_transactional_statements_are_prechecked() {
         }
     }
     assert_eq!(fx.count("nt WHERE tag LIKE 'stale%'").await, 0, "CALL ran");
+    // Behind an Executed `COMMIT`, `ROLLBACK` or `DISCARD ALL` of its batch (not checked
+    // at its Bind, the batch has run an Execute), and bound behind another portal: first
+    // in a new transaction, PostgreSQL runs it as alone. It once went unchecked, and a
+    // stale `ANALYZE` committed (review K, stop 54). The session's token is from `SET`, so
+    // the database checks it.
+    let set_stale = format!("SET fencing.token = 33; SET fencing.resource = '{r}'");
+    let mut raw = fx.raw_session("");
+    raw.send(&wire::query(&set_stale));
+    raw.until_ready();
+    // `DISCARD ALL` resets the session's token: a comment gives it.
+    let clustered = format!("/* fencing_token=33 fencing_resource={r} */ CLUSTER ntp USING ntp_fi");
+    for (before, sql) in [
+        ("COMMIT", "ANALYZE ntp"),
+        ("ROLLBACK", "REINDEX TABLE ntp"),
+        ("DISCARD ALL", clustered.as_str()),
+        ("SELECT 1", "ANALYZE ntp"),
+    ] {
+        let mut batch = wire::parse("", before, &[]);
+        if before == "SELECT 1" {
+            batch.extend(wire::bind("other", "", &[]));
+        } else {
+            batch.extend(wire::bind("", "", &[]));
+            batch.extend(wire::execute("", 0));
+        }
+        batch.extend(wire::parse("", sql, &[]));
+        batch.extend(wire::bind("", "", &[]));
+        batch.extend(wire::execute("", 0));
+        batch.extend(wire::sync());
+        raw.send(&batch);
+        let replies = raw.until_ready();
+        assert!(
+            replies
+                .iter()
+                .any(|m| m.sqlstate().as_deref() == Some("FN001")),
+            "{sql} behind {before}: {replies:?}"
+        );
+        if before == "DISCARD ALL" {
+            raw.send(&wire::query(&set_stale));
+            raw.until_ready();
+        }
+    }
     assert_eq!(fx.count(vacuums).await, 0, "VACUUM ran");
     assert_eq!(
         fx.count("nt_audit").await,

@@ -368,6 +368,42 @@ fn main_steps(abs_oid: u32) -> Vec<Step> {
             Ready(3),
         ),
         step(
+            // A statement pgfence checks first, in a transaction of its own, bound behind
+            // another portal of the batch: the check's Sync ended that portal, whose Execute
+            // then failed 34000 (review K, stop 54). The check goes right before its Execute.
+            "ANALYZE bound behind another portal of its batch",
+            cat(&[
+                wire::parse("an", "SELECT 1", &[]),
+                wire::bind("pan", "an", &[]),
+                wire::parse("", "ANALYZE d", &[]),
+                wire::bind("", "", &[]),
+                wire::execute("pan", 0),
+                wire::execute("", 0),
+                wire::sync(),
+                wire::bind("pan", "an", &[]),
+                wire::parse("", "ANALYZE d", &[]),
+                wire::bind("", "", &[]),
+                wire::execute("", 0),
+                wire::execute("pan", 0),
+                wire::sync(),
+            ]),
+            Ready(2),
+        ),
+        step(
+            // Behind an Executed `COMMIT` it runs in a new transaction, on both (pgfence
+            // checks it right before it, in that transaction).
+            "ANALYZE and REINDEX TABLE behind an Executed COMMIT",
+            cat(&[
+                pbe("COMMIT", &[]),
+                pbe("ANALYZE d", &[]),
+                wire::sync(),
+                pbe("ROLLBACK", &[]),
+                pbe("REINDEX TABLE d", &[]),
+                wire::sync(),
+            ]),
+            Ready(2),
+        ),
+        step(
             // `COMMIT AND CHAIN` opens a new block at once: the `VACUUM` fails in it, on
             // both.
             "VACUUM inside a batch, behind an Executed COMMIT AND CHAIN",

@@ -388,13 +388,17 @@ impl Session {
         } else {
             self.take_hold()
         };
+        self.prechecked = non_transactional && held == Some(Ok(()));
         match held {
             Some(Ok(())) => {}
             Some(Err(status)) => {
                 self.discard_until_sync = Some(status);
                 return Ok(Flow::Continue);
             }
-            None if non_transactional && self.precheck_possible() => {
+            // Not behind another Bind of the batch: the check's Sync would end the portal it
+            // bound (review K: 34000 for the leader's Execute of it). The check then goes
+            // right before the Execute (see `on_execute`).
+            None if non_transactional && self.precheck_possible() && !self.tx.batch_has_bind => {
                 if let Some(p) = &prepared {
                     self.tx.add_directives(&p.analysis.directives);
                     // What a rejection log names (it once named the session's last Query).
@@ -494,6 +498,9 @@ impl Session {
         if waits {
             return Ok(self.hold_until_answered());
         }
+        let prechecked = std::mem::take(&mut self.prechecked);
+        // Whether an Execute of this batch leaves it pipelined (before this one's).
+        let pipelined = self.tx.batch_pipelined;
         // A SQL `EXECUTE` that cannot end its transaction runs as the statement it names.
         let kind = match (&prepared, kind) {
             (Some(p), StatementKind::Execute)
@@ -611,6 +618,24 @@ impl Session {
             if let Some(p) = &prepared {
                 self.tx.add_directives(&p.analysis.directives);
             }
+        } else if !prechecked
+            && !pipelined
+            && kind == StatementKind::NonTransactional
+            && !matches!(self.tx.view, View::InBlock | View::Failed)
+        {
+            // A statement that cannot be fenced atomically, not checked first at its Bind
+            // (behind an Executed `COMMIT`, `ROLLBACK` or `DISCARD ALL` of the batch, or
+            // another Bind): first in a new transaction, PostgreSQL would run it as alone
+            // (`ANALYZE` or `REINDEX` of a partitioned table commits a transaction per
+            // partition, with what functions of its index expressions write), and the check
+            // at the Sync would come too late (review K: a stale `ANALYZE` behind an
+            // Executed `COMMIT` committed). A forced check right before it, in its
+            // transaction, makes it a pipelined statement: run in that transaction, or
+            // refused "within a pipeline" (`VACUUM`, or a `REINDEX` of a partitioned table,
+            // where PostgreSQL would run it). Its portal is closed after it (the view is
+            // unknown), as the transaction goes on to the check at the Sync.
+            self.tx.view = View::Unknown;
+            self.inject_check(true);
         } else if kind == StatementKind::Execute {
             // Checked as if it committed. Most likely it does not, and the transaction goes
             // on: the check closes its portal, so that the next check can bind it again.

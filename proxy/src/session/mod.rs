@@ -573,6 +573,9 @@ pub(crate) struct Session {
     /// A statement parsed in the extended protocol under a name had comment directives
     /// (see `Session::executed_inside`).
     named_directives: bool,
+    /// The last Bind was of a statement that cannot be fenced atomically, checked first in
+    /// a transaction of its own (`Session::on_bind`): its Execute needs no check before it.
+    prechecked: bool,
     /// Ends the session `limits.shutdown_timeout` after its client left with replies owed
     /// (see `Session::stay_for_owed_replies`).
     grace_after_client: Option<tokio_util::task::AbortOnDropHandle<()>>,
@@ -723,6 +726,7 @@ impl Session {
             prepare_hidden: false,
             control_forgotten: foldhash::HashSet::default(),
             named_directives: false,
+            prechecked: false,
             grace_after_client: None,
             unnamed_statement: None,
             portals: Names::default(),
