@@ -200,6 +200,12 @@ pub struct Statement {
     /// "within a pipeline"), nor the subscription commands (refused in a block only with
     /// some options).
     pub commits_at_once: bool,
+    /// `ANALYZE`, `REINDEX` or `CLUSTER` without `CONCURRENTLY`: [`StatementKind::
+    /// NonTransactional`] for what it does outside a block (a transaction per relation), it
+    /// runs in the one it is in when pipelined. Where it cannot be checked first in a
+    /// transaction of its own, it is checked right before it, in its transaction, which
+    /// pipelines it (a `VACUUM` or a `CONCURRENTLY` statement would then be refused).
+    pub runs_in_block: bool,
     /// `CREATE` or `ALTER` of an object that may give a read a way to call a function of
     /// the database's own (a view, a function, a policy, a rule, a cast, ...): any but
     /// `CREATE SEQUENCE`, a `CREATE TABLE` without `CHECK`, `EXCLUDE`, `INHERITS` or

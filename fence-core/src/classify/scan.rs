@@ -730,6 +730,10 @@ impl<'a> Scan<'a> {
             prepares_in_sql: self.prepares_in_sql(),
             may_commit_inside: self.word_is(0, "do") || self.word_is(0, "call"),
             commits_at_once: self.commits_at_once(),
+            runs_in_block: ["analyze", "analyse", "reindex", "cluster"]
+                .iter()
+                .any(|w| self.word_is(0, w))
+                && !self.seen.concurrently,
             changes_schema: self.changes_schema(),
         })
     }

@@ -267,6 +267,7 @@ impl Session {
                             s.kind,
                             s.may_commit_inside,
                             s.commits_at_once,
+                            s.runs_in_block,
                             s.changes_schema,
                             s.prepares_in_sql,
                             s.block_sensitive,
@@ -380,6 +381,9 @@ impl Session {
             matches!(&*p.analysis.statements,
                 [only] if only.kind == StatementKind::NonTransactional && !only.may_commit_inside)
         });
+        let runs_in_block = prepared
+            .as_ref()
+            .is_some_and(|p| p.analysis.statements.iter().any(|s| s.runs_in_block));
         // A Bind held for its precheck comes back here whatever its statement has become
         // meanwhile (a Parse before it that failed made pgfence forget the name). Nothing is
         // held for almost every Bind: no write to the hold then.
@@ -398,7 +402,10 @@ impl Session {
             // Not behind another Bind of the batch: the check's Sync would end the portal it
             // bound (review K: 34000 for the leader's Execute of it). The check then goes
             // right before the Execute (see `on_execute`).
-            None if non_transactional && self.precheck_possible() && !self.tx.batch_has_bind => {
+            None if non_transactional
+                && self.precheck_possible()
+                && !(self.tx.batch_has_bind && runs_in_block) =>
+            {
                 if let Some(p) = &prepared {
                     self.tx.add_directives(&p.analysis.directives);
                     // What a rejection log names (it once named the session's last Query).
@@ -622,6 +629,9 @@ impl Session {
             && !pipelined
             && kind == StatementKind::NonTransactional
             && !matches!(self.tx.view, View::InBlock | View::Failed)
+            && prepared
+                .as_ref()
+                .is_some_and(|p| p.analysis.statements.iter().any(|s| s.runs_in_block))
         {
             // A statement that cannot be fenced atomically, not checked first at its Bind
             // (behind an Executed `COMMIT`, `ROLLBACK` or `DISCARD ALL` of the batch, or
@@ -632,8 +642,10 @@ impl Session {
             // Executed `COMMIT` committed). A forced check right before it, in its
             // transaction, makes it a pipelined statement: run in that transaction, or
             // refused "within a pipeline" (`VACUUM`, or a `REINDEX` of a partitioned table,
-            // where PostgreSQL would run it). Its portal is closed after it (the view is
-            // unknown), as the transaction goes on to the check at the Sync.
+            // where PostgreSQL would run it). So only for those that run in a block alike
+            // (`Statement::runs_in_block`): a `VACUUM` there still runs unchecked (README,
+            // Known limitations). Its portal is closed after it (the view is unknown), as
+            // the transaction goes on to the check at the Sync.
             self.tx.view = View::Unknown;
             self.inject_check(true);
         } else if kind == StatementKind::Execute {
