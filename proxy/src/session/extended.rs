@@ -381,9 +381,11 @@ impl Session {
             matches!(&*p.analysis.statements,
                 [only] if only.kind == StatementKind::NonTransactional && !only.may_commit_inside)
         });
-        let runs_in_block = prepared
-            .as_ref()
-            .is_some_and(|p| p.analysis.statements.iter().any(|s| s.runs_in_block));
+        let runs_in_block = || {
+            prepared
+                .as_ref()
+                .is_some_and(|p| p.analysis.statements.iter().any(|s| s.runs_in_block))
+        };
         // A Bind held for its precheck comes back here whatever its statement has become
         // meanwhile (a Parse before it that failed made pgfence forget the name). Nothing is
         // held for almost every Bind: no write to the hold then.
@@ -404,7 +406,7 @@ impl Session {
             // right before the Execute (see `on_execute`).
             None if non_transactional
                 && self.precheck_possible()
-                && !(self.tx.batch_has_bind && runs_in_block) =>
+                && !(self.tx.batch_has_bind && runs_in_block()) =>
             {
                 if let Some(p) = &prepared {
                     self.tx.add_directives(&p.analysis.directives);
