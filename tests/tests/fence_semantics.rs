@@ -1456,11 +1456,22 @@ async fn non_transactional_statements_are_prechecked() {
     raw.until_ready();
     // `DISCARD ALL` resets the session's token: a comment gives it.
     let clustered = format!("/* fencing_token=33 fencing_resource={r} */ CLUSTER ntp USING ntp_fi");
+    // A `VACUUM` or a `CONCURRENTLY` statement behind them too: pgfence learns the state
+    // first (a Sync of its own once the batch's replies are in) and checks it first as at
+    // the start of a batch (a stale `VACUUM FULL` committed its index function's write;
+    // stop 54, older).
+    let vacuumed = format!("/* fencing_token=33 fencing_resource={r} */ VACUUM (ANALYZE) ntp1");
     for (before, sql) in [
         ("COMMIT", "ANALYZE ntp"),
         ("ROLLBACK", "REINDEX TABLE ntp"),
         ("DISCARD ALL", clustered.as_str()),
         ("SELECT 1", "ANALYZE ntp"),
+        ("COMMIT", "VACUUM FULL ntp1"),
+        (
+            "ROLLBACK",
+            "CREATE INDEX CONCURRENTLY nt_stale ON ntp1 ((nt_f(a) + 1))",
+        ),
+        ("DISCARD ALL", vacuumed.as_str()),
     ] {
         let mut batch = wire::parse("", before, &[]);
         if before == "SELECT 1" {

@@ -404,6 +404,46 @@ fn main_steps(abs_oid: u32) -> Vec<Step> {
             Ready(2),
         ),
         step(
+            // So are a `VACUUM`, a `CONCURRENTLY` statement and a `REINDEX` of a partitioned
+            // table: pgfence learns the state with a Sync of its own once the batch's replies
+            // are in, and checks each first on its own (a check right before it would make it
+            // fail "within a pipeline"; unchecked, a stale `VACUUM FULL` once committed).
+            // Behind an error of the batch the server skips it, on both.
+            "VACUUM, CONCURRENTLY and REINDEX of a partitioned table behind an Executed COMMIT",
+            cat(&[
+                q("CREATE TABLE dpx (a int) PARTITION BY RANGE (a); \
+                   CREATE TABLE dpx1 PARTITION OF dpx FOR VALUES FROM (0) TO (10); \
+                   CREATE INDEX dpx_a ON dpx (a)"),
+                pbe("COMMIT", &[]),
+                pbe("VACUUM FULL d", &[]),
+                wire::sync(),
+                pbe("ROLLBACK", &[]),
+                wire::flush(),
+                pbe("CREATE INDEX CONCURRENTLY dpx1_c ON dpx1 (a)", &[]),
+                pbe(
+                    "SELECT count(*) FROM pg_class WHERE relname = 'dpx1_c'",
+                    &[],
+                ),
+                wire::sync(),
+                pbe("DISCARD ALL", &[]),
+                pbe("REINDEX TABLE dpx", &[]),
+                wire::sync(),
+                pbe("SELECT 1/0", &[]),
+                pbe("COMMIT", &[]),
+                pbe("VACUUM d", &[]),
+                wire::sync(),
+                pbe("COMMIT", &[]),
+                pbe("SELECT 1", &[]),
+                pbe("VACUUM d", &[]),
+                wire::sync(),
+                pbe("COMMIT", &[]),
+                wire::bind("other", "", &[]),
+                pbe("VACUUM d", &[]),
+                wire::sync(),
+            ]),
+            Ready(7),
+        ),
+        step(
             // `COMMIT AND CHAIN` opens a new block at once: the `VACUUM` fails in it, on
             // both.
             "VACUUM inside a batch, behind an Executed COMMIT AND CHAIN",

@@ -4,13 +4,14 @@
 //! Parse, Bind, Execute and Close in [`super::extended`].
 
 use fence_core::classify::{analyze_with, Analysis};
+use fence_core::directive::Directive;
 use fence_core::lexer::LexOptions;
 
 use crate::error::SessionError;
 use crate::protocol::message::{self as msg, Frontend};
 
 use super::read_audit::Verdict;
-use super::replies::{AfterCheck, Origin, Request};
+use super::replies::{AfterCheck, Injected, Origin, Request};
 use super::tx::View;
 use super::{CommitCheck, CopyFromClient, CopyIn, Flow, Flushed, Hold, Remembered, Session};
 
@@ -321,8 +322,15 @@ impl Session {
     /// nothing after it makes PostgreSQL refuse the statement "within a pipeline" or opened a
     /// block.
     pub(super) fn learns_state_first(&self) -> bool {
-        self.tx.view == View::Unknown
-            && !self.tx.batch_pipelined
+        self.tx.view == View::Unknown && self.batch_ended_its_transaction()
+    }
+
+    /// Whether what the batch sent since its last Execute lets PostgreSQL run a statement
+    /// that cannot run in a transaction block, if that Execute ended the transaction: none
+    /// of it pipelines or opens a block, and no check before a `COMMIT` of it is known to
+    /// have failed.
+    fn batch_ended_its_transaction(&self) -> bool {
+        !self.tx.batch_pipelined
             && self.batch_commits_inside()
             && matches!(
                 self.commit_check,
@@ -331,6 +339,52 @@ impl Session {
                         found_failed: false
                     }
             )
+    }
+
+    /// Whether a statement that cannot run in a transaction block, bound now inside a
+    /// batch, learns the state first (see [`Session::learn_state_first`]): an Execute of the
+    /// batch ended its transaction (`COMMIT`, `ROLLBACK`, `DISCARD ALL`, ...), and nothing
+    /// after it made PostgreSQL refuse the statement "within a pipeline", opened a block or
+    /// bound a portal (a Sync of pgfence's would end that portal). PostgreSQL runs the
+    /// statement first in a new transaction, as alone; unchecked there, a stale `VACUUM
+    /// FULL` committed what a function of an index expression wrote (stop 54).
+    pub(super) fn learns_state_at_bind(&self) -> bool {
+        self.tx.batch_has_execute && !self.tx.bound_since_end && self.batch_ended_its_transaction()
+    }
+
+    /// Holds the client's message being handled (a statement that cannot run in a
+    /// transaction block, inside a batch that ended its transaction: see
+    /// [`Session::learns_state_first`] and [`Session::learns_state_at_bind`]) until pgfence
+    /// knows whether it runs alone. A Flush brings the replies in flight; behind an error
+    /// the message goes on to the server as it is, which skips it. Once they are all in, a
+    /// Sync of pgfence's tells whether a block is open (it ends only a transaction that has
+    /// run nothing), and the message is handled again: checked first on its own when none
+    /// is. `directives` are the statement's own.
+    pub(super) fn learn_state_first(&mut self, directives: &[Directive]) -> Flow {
+        if self.replies.is_empty() && self.tx.sync_needs_check() {
+            // A Bind since the COMMIT may have written (see `TxState::on_bind`), in the
+            // transaction that Sync would commit, as PostgreSQL commits it before the
+            // statement: checked there, with the statement's own directives, and held for
+            // the answer as a check before it on its own is. If a block is open, the check
+            // runs in it and the statement fails there as it would.
+            self.commit_check = CommitCheck::None;
+            self.tx.add_directives(directives);
+            self.inject_check_with_sync(true, AfterCheck::Release);
+            self.tx.end_batch();
+        } else if self.replies.is_empty() {
+            // Every reply came without an error (else the client's messages would go to the
+            // server as they are, up to its Sync): a check before a COMMIT of the batch
+            // passed, and the COMMIT ran.
+            self.commit_check = CommitCheck::None;
+            msg::sync(&mut self.to_server);
+            self.replies
+                .push(Request::Sync, Origin::Injected(Injected::StateSync));
+            self.tx.end_batch();
+        } else {
+            msg::flush(&mut self.to_server);
+            self.flushed = Flushed::ForPrecheck;
+        }
+        self.hold_until_answered()
     }
 
     /// Whether a Query or FunctionCall sent now lands inside an extended-protocol batch,

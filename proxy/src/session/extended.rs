@@ -416,6 +416,18 @@ impl Session {
                 self.inject_check_with_sync(true, AfterCheck::Release);
                 return Ok(self.hold_until_answered());
             }
+            // Behind an Executed `COMMIT`, `ROLLBACK` or `DISCARD ALL` of its batch: once
+            // pgfence knows no block is open, it comes back here and is checked first as
+            // above.
+            None if non_transactional && self.learns_state_at_bind() => {
+                if let Some(p) = &prepared {
+                    self.last_write = Some(Remembered::Prepared(p.clone()));
+                }
+                let directives = prepared
+                    .as_ref()
+                    .map_or(&[][..], |p| &p.analysis.directives);
+                return Ok(self.learn_state_first(directives));
+            }
             None => {}
         }
         if prepared
@@ -533,6 +545,7 @@ impl Session {
             // starts a new transaction, not pipelined (a `VACUUM` Query after a `DISCARD
             // ALL` of the batch runs, as on PostgreSQL).
             self.tx.batch_pipelined = false;
+            self.tx.bound_since_end = false;
         }
         if let Some(p) = &prepared {
             if self.owes_check_for(&p.analysis) {

@@ -10,7 +10,7 @@ use crate::error::SessionError;
 use crate::protocol::message as msg;
 
 use super::extended::prepared_in_sql;
-use super::replies::{AfterCheck, Injected, Origin, QueryPlan, Request};
+use super::replies::{AfterCheck, QueryPlan, Request};
 use super::tx::{SimplePlan, View};
 use super::{CommitCheck, Flow, Flushed, Hold, Remembered, Session};
 
@@ -355,36 +355,8 @@ impl Session {
                 // Inside a batch, behind an Executed `COMMIT` or `ROLLBACK` of it and only
                 // empty statements or a Parse, Bind, Describe or Close since: PostgreSQL
                 // runs the statement in a new transaction, outside a block unless the
-                // `COMMIT` chained one. A Flush brings the replies in flight; behind an
-                // error the statement goes on to the server as it is, which skips it.
-                // Once they are all in, a Sync of pgfence's tells whether a block is open
-                // (it ends only a transaction that has run nothing), and the statement is
-                // handled again: checked first on its own when none is.
-                if self.replies.is_empty() && self.tx.sync_needs_check() {
-                    // A Bind since the COMMIT may have written (see `TxState::on_bind`),
-                    // in the transaction that Sync would commit, as PostgreSQL commits it
-                    // before the statement: checked there, with the statement's own
-                    // directives, and held for the answer as a check before it on its own
-                    // is. If a block is open, the check runs in it and the statement fails
-                    // there as it would.
-                    self.commit_check = CommitCheck::None;
-                    self.tx.add_directives(&analysis.directives);
-                    self.inject_check_with_sync(true, AfterCheck::Release);
-                    self.tx.end_batch();
-                } else if self.replies.is_empty() {
-                    // Every reply came without an error (else the client's messages would
-                    // go to the server as they are, up to its Sync): a check before a
-                    // COMMIT of the batch passed, and the COMMIT ran.
-                    self.commit_check = CommitCheck::None;
-                    msg::sync(&mut self.to_server);
-                    self.replies
-                        .push(Request::Sync, Origin::Injected(Injected::StateSync));
-                    self.tx.end_batch();
-                } else {
-                    msg::flush(&mut self.to_server);
-                    self.flushed = Flushed::ForPrecheck;
-                }
-                Some(self.hold_until_answered())
+                // `COMMIT` chained one.
+                Some(self.learn_state_first(&analysis.directives))
             }
             None if self.tx.batch_pipelined && self.batch_commits_inside() => {
                 // Inside a batch, behind an Execute of its transaction that pipelines:

@@ -41,6 +41,11 @@ pub struct TxState {
     /// A Bind was sent since the last sync point: it may have run code (planning folds
     /// `IMMUTABLE` calls, a domain parameter's `CHECK` runs), and written.
     pub batch_has_bind: bool,
+    /// A Bind was sent since the batch's last Execute that ended its transaction (a
+    /// `COMMIT`, `ROLLBACK`, `PREPARE TRANSACTION`, `COMMIT PREPARED`, or a statement
+    /// PostgreSQL commits at once), or since its sync point: a portal may be open, which a
+    /// Sync of pgfence's would end.
+    pub bound_since_end: bool,
     /// An Execute since the last Sync ran a statement after which PostgreSQL refuses one
     /// that cannot run in a transaction block "within a pipeline" (its
     /// `XACT_FLAGS_PIPELINING`): any but an empty statement or transaction control, which
@@ -93,6 +98,7 @@ impl TxState {
             directives_in_doubt: false,
             batch_has_execute: false,
             batch_has_bind: false,
+            bound_since_end: false,
             batch_pipelined: false,
             batch_begun: false,
             check_reads,
@@ -133,6 +139,7 @@ impl TxState {
     /// finds a domain whose `CHECK` calls a function).
     pub fn on_bind(&mut self, kind: Option<StatementKind>, params: usize) {
         self.batch_has_bind = true;
+        self.bound_since_end = true;
         match kind {
             Some(StatementKind::MayWrite) | None => self.dirty = true,
             Some(StatementKind::ReadOnly) => self.dirty |= self.check_reads,
@@ -151,7 +158,10 @@ impl TxState {
             StatementKind::Commit
             | StatementKind::Rollback
             | StatementKind::PrepareTransaction
-            | StatementKind::FinishPrepared => self.batch_pipelined = false,
+            | StatementKind::FinishPrepared => {
+                self.batch_pipelined = false;
+                self.bound_since_end = false;
+            }
             StatementKind::Empty
             | StatementKind::Begin
             | StatementKind::Savepoint
@@ -168,6 +178,7 @@ impl TxState {
     pub fn end_batch(&mut self) {
         self.batch_has_execute = false;
         self.batch_has_bind = false;
+        self.bound_since_end = false;
         self.batch_pipelined = false;
     }
 
