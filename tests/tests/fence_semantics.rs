@@ -1456,10 +1456,10 @@ async fn non_transactional_statements_are_prechecked() {
     raw.until_ready();
     // `DISCARD ALL` resets the session's token: a comment gives it.
     let clustered = format!("/* fencing_token=33 fencing_resource={r} */ CLUSTER ntp USING ntp_fi");
-    // A `VACUUM` or a `CONCURRENTLY` statement behind them too: pgfence learns the state
-    // first (a Sync of its own once the batch's replies are in) and checks it first as at
-    // the start of a batch (a stale `VACUUM FULL` committed its index function's write;
-    // stop 54, older).
+    // A `VACUUM` or a `CONCURRENTLY` statement behind them too, or behind an Executed
+    // empty statement: pgfence learns the state first (a Sync of its own once the batch's
+    // replies are in) and checks it first as at the start of a batch (a stale `VACUUM FULL`
+    // committed its index function's write; stop 54, older).
     let vacuumed = format!("/* fencing_token=33 fencing_resource={r} */ VACUUM (ANALYZE) ntp1");
     for (before, sql) in [
         ("COMMIT", "ANALYZE ntp"),
@@ -1472,6 +1472,7 @@ async fn non_transactional_statements_are_prechecked() {
             "CREATE INDEX CONCURRENTLY nt_stale ON ntp1 ((nt_f(a) + 1))",
         ),
         ("DISCARD ALL", vacuumed.as_str()),
+        ("", "VACUUM FULL ntp1"),
     ] {
         let mut batch = wire::parse("", before, &[]);
         if before == "SELECT 1" {

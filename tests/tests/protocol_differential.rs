@@ -408,7 +408,8 @@ fn main_steps(abs_oid: u32) -> Vec<Step> {
             // table: pgfence learns the state with a Sync of its own once the batch's replies
             // are in, and checks each first on its own (a check right before it would make it
             // fail "within a pipeline"; unchecked, a stale `VACUUM FULL` once committed).
-            // Behind an error of the batch the server skips it, on both.
+            // So behind an Executed empty statement. Behind an error of the batch the server
+            // skips it, on both.
             "VACUUM, CONCURRENTLY and REINDEX of a partitioned table behind an Executed COMMIT",
             cat(&[
                 q("CREATE TABLE dpx (a int) PARTITION BY RANGE (a); \
@@ -428,6 +429,10 @@ fn main_steps(abs_oid: u32) -> Vec<Step> {
                 pbe("DISCARD ALL", &[]),
                 pbe("REINDEX TABLE dpx", &[]),
                 wire::sync(),
+                pbe("", &[]),
+                pbe("REINDEX TABLE dpx", &[]),
+                pbe("VACUUM d", &[]),
+                wire::sync(),
                 pbe("SELECT 1/0", &[]),
                 pbe("COMMIT", &[]),
                 pbe("VACUUM d", &[]),
@@ -441,7 +446,7 @@ fn main_steps(abs_oid: u32) -> Vec<Step> {
                 pbe("VACUUM d", &[]),
                 wire::sync(),
             ]),
-            Ready(7),
+            Ready(8),
         ),
         step(
             // `COMMIT AND CHAIN` opens a new block at once: the `VACUUM` fails in it, on

@@ -12,7 +12,7 @@ use crate::protocol::message::{self as msg, Frontend};
 
 use super::read_audit::Verdict;
 use super::replies::{AfterCheck, Injected, Origin, Request};
-use super::tx::View;
+use super::tx::{Bound, View};
 use super::{CommitCheck, CopyFromClient, CopyIn, Flow, Flushed, Hold, Remembered, Session};
 
 impl Session {
@@ -341,15 +341,21 @@ impl Session {
             )
     }
 
-    /// Whether a statement that cannot run in a transaction block, bound now inside a
-    /// batch, learns the state first (see [`Session::learn_state_first`]): an Execute of the
-    /// batch ended its transaction (`COMMIT`, `ROLLBACK`, `DISCARD ALL`, ...), and nothing
-    /// after it made PostgreSQL refuse the statement "within a pipeline", opened a block or
-    /// bound a portal (a Sync of pgfence's would end that portal). PostgreSQL runs the
-    /// statement first in a new transaction, as alone; unchecked there, a stale `VACUUM
-    /// FULL` committed what a function of an index expression wrote (stop 54).
-    pub(super) fn learns_state_at_bind(&self) -> bool {
-        self.tx.batch_has_execute && !self.tx.bound_since_end && self.batch_ended_its_transaction()
+    /// Whether a statement that cannot run in a transaction block, bound now to `portal`
+    /// inside a batch, learns the state first (see [`Session::learn_state_first`]): the
+    /// batch ran Executes, none made PostgreSQL refuse the statement "within a pipeline" or
+    /// opened a block (behind an Executed `COMMIT`, `ROLLBACK` or `DISCARD ALL`, or Executes
+    /// of empty statements), and no portal was bound since the last that ended a
+    /// transaction, which a Sync of pgfence's would end (but the unnamed one when this Bind
+    /// replaces it). PostgreSQL runs the statement as alone; unchecked there, a stale
+    /// `VACUUM FULL` committed what a function of an index expression wrote (stop 54).
+    pub(super) fn learns_state_at_bind(&self, portal: &[u8]) -> bool {
+        let kept = match self.tx.bound_since_end {
+            Bound::Nothing => false,
+            Bound::Unnamed => !portal.is_empty(),
+            Bound::Named => true,
+        };
+        self.tx.batch_has_execute && !kept && self.batch_ended_its_transaction()
     }
 
     /// Holds the client's message being handled (a statement that cannot run in a

@@ -13,7 +13,7 @@ use crate::protocol::message as msg;
 
 use super::query::is_copy_from_stdin;
 use super::replies::{AfterCheck, Request};
-use super::tx::View;
+use super::tx::{Bound, View};
 use super::{CommitCheck, CopyFromClient, CopyIn, Flow, Hold, Prepared, Remembered, Session};
 
 /// The prepared statement a SQL `PREPARE name AS ...` replaces.
@@ -416,10 +416,10 @@ impl Session {
                 self.inject_check_with_sync(true, AfterCheck::Release);
                 return Ok(self.hold_until_answered());
             }
-            // Behind an Executed `COMMIT`, `ROLLBACK` or `DISCARD ALL` of its batch: once
-            // pgfence knows no block is open, it comes back here and is checked first as
-            // above.
-            None if non_transactional && self.learns_state_at_bind() => {
+            // Behind an Executed `COMMIT`, `ROLLBACK` or `DISCARD ALL` of its batch, or
+            // Executes of empty statements: once pgfence knows no block is open, it comes
+            // back here and is checked first as above.
+            None if non_transactional && self.learns_state_at_bind(portal) => {
                 if let Some(p) = &prepared {
                     self.last_write = Some(Remembered::Prepared(p.clone()));
                 }
@@ -460,6 +460,11 @@ impl Session {
                 }
             }
         }
+        self.tx.bound_since_end = self.tx.bound_since_end.max(if portal.is_empty() {
+            Bound::Unnamed
+        } else {
+            Bound::Named
+        });
         let before = if portal.is_empty() {
             std::mem::replace(&mut self.unnamed_portal, prepared)
         } else if let Some(p) = prepared {
@@ -545,7 +550,7 @@ impl Session {
             // starts a new transaction, not pipelined (a `VACUUM` Query after a `DISCARD
             // ALL` of the batch runs, as on PostgreSQL).
             self.tx.batch_pipelined = false;
-            self.tx.bound_since_end = false;
+            self.tx.bound_since_end = Bound::Nothing;
         }
         if let Some(p) = &prepared {
             if self.owes_check_for(&p.analysis) {
@@ -649,8 +654,9 @@ impl Session {
                 .is_some_and(|p| p.analysis.statements.iter().any(|s| s.runs_in_block))
         {
             // A statement that cannot be fenced atomically, not checked first at its Bind
-            // (behind an Executed `COMMIT`, `ROLLBACK` or `DISCARD ALL` of the batch, or
-            // another Bind): first in a new transaction, PostgreSQL would run it as alone
+            // (bound behind another portal of the batch, whose end a Sync of pgfence's would
+            // be, as one bound behind an Executed `COMMIT`, `ROLLBACK` or `DISCARD ALL` of
+            // it): first in a new transaction, PostgreSQL would run it as alone
             // (`ANALYZE` or `REINDEX` of a partitioned table commits a transaction per
             // partition, with what functions of its index expressions write), and the check
             // at the Sync would come too late (review K: a stale `ANALYZE` behind an

@@ -41,11 +41,11 @@ pub struct TxState {
     /// A Bind was sent since the last sync point: it may have run code (planning folds
     /// `IMMUTABLE` calls, a domain parameter's `CHECK` runs), and written.
     pub batch_has_bind: bool,
-    /// A Bind was sent since the batch's last Execute that ended its transaction (a
+    /// The portals bound since the batch's last Execute that ended its transaction (a
     /// `COMMIT`, `ROLLBACK`, `PREPARE TRANSACTION`, `COMMIT PREPARED`, or a statement
-    /// PostgreSQL commits at once), or since its sync point: a portal may be open, which a
-    /// Sync of pgfence's would end.
-    pub bound_since_end: bool,
+    /// PostgreSQL commits at once), or since its sync point: a Sync of pgfence's would end
+    /// them.
+    pub bound_since_end: Bound,
     /// An Execute since the last Sync ran a statement after which PostgreSQL refuses one
     /// that cannot run in a transaction block "within a pipeline" (its
     /// `XACT_FLAGS_PIPELINING`): any but an empty statement or transaction control, which
@@ -69,6 +69,16 @@ pub struct TxState {
     /// and made a temporary view after `pgfence install`, would otherwise take the audit's
     /// false, which leaves temporary relations out.)
     pub schema_changed: bool,
+}
+
+/// Which portals were bound since a point of the batch (see [`TxState::bound_since_end`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Bound {
+    Nothing,
+    /// Only the unnamed portal, which the next Bind of it replaces.
+    Unnamed,
+    /// A named portal.
+    Named,
 }
 
 /// Where a simple Query needs checks.
@@ -98,7 +108,7 @@ impl TxState {
             directives_in_doubt: false,
             batch_has_execute: false,
             batch_has_bind: false,
-            bound_since_end: false,
+            bound_since_end: Bound::Nothing,
             batch_pipelined: false,
             batch_begun: false,
             check_reads,
@@ -139,7 +149,6 @@ impl TxState {
     /// finds a domain whose `CHECK` calls a function).
     pub fn on_bind(&mut self, kind: Option<StatementKind>, params: usize) {
         self.batch_has_bind = true;
-        self.bound_since_end = true;
         match kind {
             Some(StatementKind::MayWrite) | None => self.dirty = true,
             Some(StatementKind::ReadOnly) => self.dirty |= self.check_reads,
@@ -160,7 +169,7 @@ impl TxState {
             | StatementKind::PrepareTransaction
             | StatementKind::FinishPrepared => {
                 self.batch_pipelined = false;
-                self.bound_since_end = false;
+                self.bound_since_end = Bound::Nothing;
             }
             StatementKind::Empty
             | StatementKind::Begin
@@ -178,7 +187,7 @@ impl TxState {
     pub fn end_batch(&mut self) {
         self.batch_has_execute = false;
         self.batch_has_bind = false;
-        self.bound_since_end = false;
+        self.bound_since_end = Bound::Nothing;
         self.batch_pipelined = false;
     }
 
