@@ -40,6 +40,9 @@
 //! - [`non_transactional_statements_are_prechecked`]: VACUUM, CALL (a procedure that
 //!   commits inside) and CREATE INDEX CONCURRENTLY get the check in a transaction of their
 //!   own first: a stale token stops them before they run.
+//! - [`a_bind_that_wrote_is_checked_before_what_commits_at_once`]: an Executed `DISCARD
+//!   ALL`, `COMMIT PREPARED`, `ROLLBACK PREPARED` or `VACUUM` commits what a Bind before it
+//!   wrote: checked first.
 //! - [`a_transaction_made_read_only_after_it_wrote_does_not_commit_unchecked`]: the check
 //!   cannot run in it (25006), so the writes roll back where PostgreSQL commits them.
 //!
@@ -3081,6 +3084,82 @@ async fn a_comment_token_pipelined_behind_transaction_control_stays_in_its_trans
         0,
         "a stale session's uncommented write committed"
     );
+}
+
+/// A Bind plans its statement, which may run a function that writes (an `IMMUTABLE` one
+/// folded with constant arguments), in the batch's transaction. An Executed `DISCARD
+/// ALL`, `COMMIT PREPARED` or `ROLLBACK PREPARED` commits that transaction at once, and a
+/// `VACUUM` as it starts: a stale session's write through such a Bind committed unchecked
+/// (review L, stop 55; older), also behind an Executed `COMMIT` of the batch with a named
+/// portal bound since. PostgreSQL directly commits each write (so the test can fail);
+/// through pgfence each batch gets FN001 and nothing commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bind_that_wrote_is_checked_before_what_commits_at_once() {
+    let (fx, stale) = Fixture::after_leader_34("bw", |_| {}).await;
+    fx.direct
+        .batch_execute(
+            "CREATE FUNCTION bw_g() RETURNS int LANGUAGE plpgsql VOLATILE AS \
+               $$ BEGIN INSERT INTO bw VALUES ('bind'); RETURN 1; END $$; \
+             CREATE FUNCTION bw_f(int) RETURNS int LANGUAGE plpgsql IMMUTABLE AS \
+               $$ BEGIN RETURN $1 + bw_g(); END $$",
+        )
+        .await
+        .unwrap();
+    let batch = |before: &[u8], commits: &str| {
+        let mut b = before.to_vec();
+        b.extend(wire::parse("", "SELECT bw_f(1)", &[]));
+        b.extend(wire::bind("pw", "", &[]));
+        b.extend(wire::parse("", commits, &[]));
+        b.extend(wire::bind("", "", &[]));
+        b.extend(wire::execute("", 0));
+        b.extend(wire::sync());
+        b
+    };
+    let commit = [
+        wire::parse("", "COMMIT", &[]),
+        wire::bind("", "", &[]),
+        wire::execute("", 0),
+    ]
+    .concat();
+    let batches = [
+        batch(&[], "DISCARD ALL"),
+        batch(&[], "COMMIT PREPARED 'bw_px'"),
+        batch(&[], "ROLLBACK PREPARED 'bw_px'"),
+        batch(&commit, "DISCARD ALL"),
+        batch(&commit, "VACUUM bw"),
+    ];
+    let prepare = "BEGIN; INSERT INTO bw VALUES ('prepared'); PREPARE TRANSACTION 'bw_px'";
+    for (through_pgfence, mut conn) in [(false, fx.raw_direct()), (true, fx.raw_session(&stale))] {
+        for (i, bytes) in batches.iter().enumerate() {
+            if fx.count("pg_prepared_xacts WHERE gid = 'bw_px'").await == 0 {
+                fx.direct.batch_execute(prepare).await.unwrap();
+            }
+            conn.send(bytes);
+            let replies = conn.until_ready();
+            let rejected = replies
+                .iter()
+                .any(|m| m.sqlstate().as_deref() == Some("FN001"));
+            assert_eq!(rejected, through_pgfence, "batch {i}: {replies:?}");
+        }
+        let wrote = fx.count("bw WHERE tag = 'bind'").await;
+        if through_pgfence {
+            assert_eq!(wrote, 0, "a stale Bind's write committed");
+        } else {
+            assert_eq!(
+                wrote,
+                batches.len() as i64,
+                "directly, every batch commits its write"
+            );
+            fx.direct
+                .batch_execute("DELETE FROM bw WHERE tag = 'bind'")
+                .await
+                .unwrap();
+        }
+    }
+    fx.direct
+        .batch_execute("ROLLBACK PREPARED 'bw_px'")
+        .await
+        .unwrap();
 }
 
 /// In a failed block, a FunctionCall behind a Sync still in flight and an Execute of a

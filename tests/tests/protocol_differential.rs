@@ -449,6 +449,51 @@ fn main_steps(abs_oid: u32) -> Vec<Step> {
             Ready(8),
         ),
         step(
+            // A block that changed settings, ended by an Executed `COMMIT`, then a `VACUUM`:
+            // pgfence's Sync reports the settings mid-batch, which PostgreSQL reports at the
+            // client's Sync. They are held for it, a later change of the same setting
+            // replacing the held one (the client was told the old value last), and one
+            // changed back not told at all, as PostgreSQL does. A change of
+            // `standard_conforming_strings` made pgfence forget the unnamed statement, and
+            // the `VACUUM` was refused "within a pipeline" (review L, stop 55).
+            "VACUUM behind an Executed COMMIT of a block that changed settings",
+            cat(&[
+                pbe("BEGIN", &[]),
+                pbe("SET standard_conforming_strings = off", &[]),
+                pbe("SET application_name = 'changed'", &[]),
+                pbe("SET DateStyle = 'SQL, DMY'", &[]),
+                pbe("COMMIT", &[]),
+                pbe("VACUUM d", &[]),
+                pbe("SET application_name = ''", &[]),
+                pbe("SET DateStyle = 'ISO, YMD'", &[]),
+                wire::sync(),
+                q("SET standard_conforming_strings = on; SET DateStyle = 'ISO, MDY'"),
+            ]),
+            Ready(2),
+        ),
+        step(
+            // A portal bound before an Executed `DISCARD ALL`, or a `VACUUM` behind an
+            // Executed `COMMIT`: the statement's commit ends it (34000 after), on both.
+            // pgfence checks what the batch's Binds may have written before it, with a Sync
+            // of its own, which ends the portal the same way (review L, stop 55).
+            "DISCARD ALL and VACUUM behind a bound portal",
+            cat(&[
+                wire::parse("", "INSERT INTO d VALUES (29, 'b')", &[]),
+                wire::bind("pb", "", &[]),
+                pbe("DISCARD ALL", &[]),
+                wire::execute("pb", 0),
+                wire::sync(),
+                pbe("COMMIT", &[]),
+                wire::parse("", "INSERT INTO d VALUES (30, 'b')", &[]),
+                wire::bind("pb", "", &[]),
+                pbe("VACUUM d", &[]),
+                wire::execute("pb", 0),
+                wire::sync(),
+                q("SELECT count(*) FROM d WHERE id IN (29, 30)"),
+            ]),
+            Ready(3),
+        ),
+        step(
             // `COMMIT AND CHAIN` opens a new block at once: the `VACUUM` fails in it, on
             // both.
             "VACUUM inside a batch, behind an Executed COMMIT AND CHAIN",

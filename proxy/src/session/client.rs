@@ -345,16 +345,20 @@ impl Session {
     /// inside a batch, learns the state first (see [`Session::learn_state_first`]): the
     /// batch ran Executes, none made PostgreSQL refuse the statement "within a pipeline" or
     /// opened a block (behind an Executed `COMMIT`, `ROLLBACK` or `DISCARD ALL`, or Executes
-    /// of empty statements), and no portal was bound since the last that ended a
-    /// transaction, which a Sync of pgfence's would end (but the unnamed one when this Bind
-    /// replaces it). PostgreSQL runs the statement as alone; unchecked there, a stale
-    /// `VACUUM FULL` committed what a function of an index expression wrote (stop 54).
-    pub(super) fn learns_state_at_bind(&self, portal: &[u8]) -> bool {
-        let kept = match self.tx.bound_since_end {
-            Bound::Nothing => false,
-            Bound::Unnamed => !portal.is_empty(),
-            Bound::Named => true,
-        };
+    /// of empty statements), and, for a statement that `keeps_portals` (it runs in its
+    /// transaction, see `Statement::runs_in_block`), no portal was bound since the last that
+    /// ended a transaction, which a Sync of pgfence's would end (but the unnamed one when
+    /// this Bind replaces it). The others commit that transaction as they run, which ends
+    /// its portals as the Sync would. PostgreSQL runs the statement as alone; unchecked
+    /// there, a stale `VACUUM FULL` committed what a function of an index expression wrote
+    /// (stop 54).
+    pub(super) fn learns_state_at_bind(&self, portal: &[u8], keeps_portals: bool) -> bool {
+        let kept = keeps_portals
+            && match self.tx.bound_since_end {
+                Bound::Nothing => false,
+                Bound::Unnamed => !portal.is_empty(),
+                Bound::Named => true,
+            };
         self.tx.batch_has_execute && !kept && self.batch_ended_its_transaction()
     }
 
@@ -365,8 +369,9 @@ impl Session {
     /// the message goes on to the server as it is, which skips it. Once they are all in, a
     /// Sync of pgfence's tells whether a block is open (it ends only a transaction that has
     /// run nothing), and the message is handled again: checked first on its own when none
-    /// is. `directives` are the statement's own.
-    pub(super) fn learn_state_first(&mut self, directives: &[Directive]) -> Flow {
+    /// is. `directives` are the statement's own; `force`: the statement needs the check
+    /// whether or not the transaction it commits wrote.
+    pub(super) fn learn_state_first(&mut self, directives: &[Directive], force: bool) -> Flow {
         if self.replies.is_empty() && self.tx.sync_needs_check() {
             // A Bind since the COMMIT may have written (see `TxState::on_bind`), in the
             // transaction that Sync would commit, as PostgreSQL commits it before the
@@ -375,7 +380,7 @@ impl Session {
             // runs in it and the statement fails there as it would.
             self.commit_check = CommitCheck::None;
             self.tx.add_directives(directives);
-            self.inject_check_with_sync(true, AfterCheck::Release);
+            self.inject_check_with_sync(force, AfterCheck::Release);
             self.tx.end_batch();
         } else if self.replies.is_empty() {
             // Every reply came without an error (else the client's messages would go to the

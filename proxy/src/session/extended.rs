@@ -419,14 +419,30 @@ impl Session {
             // Behind an Executed `COMMIT`, `ROLLBACK` or `DISCARD ALL` of its batch, or
             // Executes of empty statements: once pgfence knows no block is open, it comes
             // back here and is checked first as above.
-            None if non_transactional && self.learns_state_at_bind(portal) => {
+            None if non_transactional && self.learns_state_at_bind(portal, runs_in_block()) => {
                 if let Some(p) = &prepared {
                     self.last_write = Some(Remembered::Prepared(p.clone()));
                 }
                 let directives = prepared
                     .as_ref()
                     .map_or(&[][..], |p| &p.analysis.directives);
-                return Ok(self.learn_state_first(directives));
+                return Ok(self.learn_state_first(directives, true));
+            }
+            // `DISCARD ALL`, `COMMIT PREPARED` or `ROLLBACK PREPARED` where PostgreSQL runs
+            // it (no Execute of the batch pipelined it): it commits at once what the batch's
+            // Binds wrote (binding plans a statement, which may run a function that writes),
+            // unchecked until a review found it (stop 55). Checked before it, with a Sync of
+            // pgfence's, as at the batch's Sync; its commit would end the portals that Sync
+            // ends.
+            None if self.tx.dirty
+                && prepared.as_ref().is_some_and(|p| {
+                    matches!(&*p.analysis.statements, [only]
+                        if only.kind == StatementKind::FinishPrepared
+                            || (only.kind == StatementKind::Discard && only.commits_at_once))
+                })
+                && (self.precheck_possible() || self.learns_state_at_bind(portal, false)) =>
+            {
+                return Ok(self.learn_state_first(&[], false));
             }
             None => {}
         }

@@ -668,9 +668,17 @@ impl Session {
         match name {
             b"standard_conforming_strings" => {
                 let scs = value != b"off";
-                if scs != self.lex.standard_conforming_strings {
+                if scs != self.lex.standard_conforming_strings
+                    && self
+                        .unnamed_statement
+                        .as_ref()
+                        .is_some_and(|p| memchr::memchr(b'\\', &p.sql).is_some())
+                {
                     // Analyses made under the old setting are not reused (a portal pgfence
-                    // no longer knows is treated as one that may write).
+                    // no longer knows is treated as one that may write). A text without `\`
+                    // lexes alike under both: kept (forgotten, a `VACUUM` bound behind a
+                    // `COMMIT` that ended the block which changed the setting got the check
+                    // of an unknown portal, which made PostgreSQL refuse it; review L).
                     self.unnamed_statement = None;
                     self.names_forgotten = true;
                 }

@@ -628,6 +628,9 @@ pub(crate) struct Session {
     /// Sync ([`replies::Injected::StateSync`]), held for the client's next ReadyForQuery,
     /// which PostgreSQL would have sent them with.
     held_status: Vec<u8>,
+    /// The ParameterStatus messages the client had seen when the first of `held_status`
+    /// was held (see `Session::release_held_status`).
+    held_seen: Vec<crate::pool::ParameterStatus>,
     /// When each client Query, Sync or FunctionCall still in flight was sent (latency).
     sync_sent: std::collections::VecDeque<Instant>,
     /// When the check in flight was sent (latency).
@@ -745,6 +748,7 @@ impl Session {
             commit_check: CommitCheck::None,
             held_complete: None,
             held_status: Vec::new(),
+            held_seen: Vec::new(),
             lex: fence_core::lexer::LexOptions::default(),
             chars: fence::Chars::default(),
             sync_sent: std::collections::VecDeque::new(),

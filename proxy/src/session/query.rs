@@ -356,7 +356,7 @@ impl Session {
                 // empty statements or a Parse, Bind, Describe or Close since: PostgreSQL
                 // runs the statement in a new transaction, outside a block unless the
                 // `COMMIT` chained one.
-                Some(self.learn_state_first(&analysis.directives))
+                Some(self.learn_state_first(&analysis.directives, true))
             }
             None if self.tx.batch_pipelined && self.batch_commits_inside() => {
                 // Inside a batch, behind an Execute of its transaction that pipelines:

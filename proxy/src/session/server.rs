@@ -8,6 +8,7 @@ use fence_core::rejection::Rejection;
 use tracing::debug;
 
 use crate::error::SessionError;
+use crate::protocol::frame::next_frame;
 use crate::protocol::message::{self as msg, Backend};
 
 use super::replies::{AfterCheck, Injected, Origin, Pending, Request};
@@ -43,13 +44,17 @@ impl Session {
             Backend::NoticeResponse => self.forward_if_client(frame),
             Backend::NotificationResponse => self.forward_notification(frame),
             Backend::ParameterStatus => {
+                let hold = !self.held_status.is_empty()
+                    || self
+                        .replies
+                        .front()
+                        .is_some_and(|p| p.origin == Origin::Injected(Injected::StateSync));
+                if hold && self.held_status.is_empty() {
+                    self.held_seen = self.login.params.clone();
+                }
                 self.on_parameter_status(frame)?;
-                if self
-                    .replies
-                    .front()
-                    .is_some_and(|p| p.origin == Origin::Injected(Injected::StateSync))
-                {
-                    self.held_status.extend_from_slice(frame);
+                if hold {
+                    self.hold_status(frame);
                 } else {
                     self.to_client.extend_from_slice(frame);
                 }
@@ -573,10 +578,50 @@ impl Session {
         msg::ready_for_query(&mut self.to_client, status);
     }
 
+    /// Holds a ParameterStatus for the client's next ReadyForQuery (see `held_status`),
+    /// behind those held already; a later one of the same setting takes the held one's
+    /// place. (A value held from pgfence's Sync once reached the client after the newer one
+    /// the client's own Sync brought, and the client kept the old value: review L, stop
+    /// 55.)
+    #[cold]
+    fn hold_status(&mut self, frame: &[u8]) {
+        let name = |f: &[u8]| msg::cstr(msg::body(f)).map(|(name, _)| name.to_vec());
+        let new = name(frame);
+        let mut held = Vec::with_capacity(self.held_status.len() + frame.len());
+        let mut replaced = false;
+        let mut at = 0;
+        while let Ok(Some((_, len))) = next_frame(&self.held_status[at..], u32::MAX) {
+            let old = &self.held_status[at..at + len];
+            if name(old) == new {
+                held.extend_from_slice(frame);
+                replaced = true;
+            } else {
+                held.extend_from_slice(old);
+            }
+            at += len;
+        }
+        if !replaced {
+            held.extend_from_slice(frame);
+        }
+        self.held_status = held;
+    }
+
+    /// Sends the client the ParameterStatus messages held for its ReadyForQuery, but those
+    /// that tell it a value it already had (a setting changed and changed back: PostgreSQL
+    /// would report neither).
     fn release_held_status(&mut self) {
-        if !self.held_status.is_empty() {
-            let held = std::mem::take(&mut self.held_status);
-            self.to_client.extend_from_slice(&held);
+        if self.held_status.is_empty() {
+            return;
+        }
+        let held = std::mem::take(&mut self.held_status);
+        let seen = std::mem::take(&mut self.held_seen);
+        let mut at = 0;
+        while let Ok(Some((_, len))) = next_frame(&held[at..], u32::MAX) {
+            let frame = &held[at..at + len];
+            if !seen.iter().any(|(_, f)| **f == *frame) {
+                self.to_client.extend_from_slice(frame);
+            }
+            at += len;
         }
     }
 
