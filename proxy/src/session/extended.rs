@@ -680,9 +680,10 @@ impl Session {
             // transaction, makes it a pipelined statement: run in that transaction, or
             // refused "within a pipeline" (`VACUUM`, or a `REINDEX` of a partitioned table,
             // where PostgreSQL would run it). So only for those that run in a block alike
-            // (`Statement::runs_in_block`): a `VACUUM` there still runs unchecked (README,
-            // Known limitations). Its portal is closed after it (the view is unknown), as
-            // the transaction goes on to the check at the Sync.
+            // (`Statement::runs_in_block`), which keep the batch's other portals: a `VACUUM`
+            // ends them itself, and is checked at its Bind with a Sync of pgfence's (see
+            // `learns_state_at_bind`). Its portal is closed after it (the view is unknown),
+            // as the transaction goes on to the check at the Sync.
             self.tx.view = View::Unknown;
             self.inject_check(true);
         } else if kind == StatementKind::Execute {
