@@ -453,12 +453,15 @@ fn main_steps(abs_oid: u32) -> Vec<Step> {
             // pgfence's Sync reports the settings mid-batch, which PostgreSQL reports at the
             // client's Sync. They are held for it, a later change of the same setting
             // replacing the held one (the client was told the old value last), and one
-            // changed back not told at all, as PostgreSQL does. A change of
+            // changed back not told at all, as PostgreSQL does; so for a notification of
+            // the block (it came mid-batch through pgfence). A change of
             // `standard_conforming_strings` made pgfence forget the unnamed statement, and
             // the `VACUUM` was refused "within a pipeline" (review L, stop 55).
             "VACUUM behind an Executed COMMIT of a block that changed settings",
             cat(&[
+                q("LISTEN dch"),
                 pbe("BEGIN", &[]),
+                pbe("NOTIFY dch, 'committed'", &[]),
                 pbe("SET standard_conforming_strings = off", &[]),
                 pbe("SET application_name = 'changed'", &[]),
                 pbe("SET DateStyle = 'SQL, DMY'", &[]),
@@ -467,9 +470,9 @@ fn main_steps(abs_oid: u32) -> Vec<Step> {
                 pbe("SET application_name = ''", &[]),
                 pbe("SET DateStyle = 'ISO, YMD'", &[]),
                 wire::sync(),
-                q("SET standard_conforming_strings = on; SET DateStyle = 'ISO, MDY'"),
+                q("SET standard_conforming_strings = on; SET DateStyle = 'ISO, MDY'; UNLISTEN dch"),
             ]),
-            Ready(2),
+            Ready(3),
         ),
         step(
             // A portal bound before an Executed `DISCARD ALL`, or a `VACUUM` behind an

@@ -631,6 +631,9 @@ pub(crate) struct Session {
     /// The ParameterStatus messages the client had seen when the first of `held_status`
     /// was held (see `Session::release_held_status`).
     held_seen: Vec<crate::pool::ParameterStatus>,
+    /// NotificationResponse messages the server sent at pgfence's own Sync (or behind
+    /// those), held as `held_status` is.
+    held_notifications: BytesMut,
     /// When each client Query, Sync or FunctionCall still in flight was sent (latency).
     sync_sent: std::collections::VecDeque<Instant>,
     /// When the check in flight was sent (latency).
@@ -749,6 +752,7 @@ impl Session {
             held_complete: None,
             held_status: Vec::new(),
             held_seen: Vec::new(),
+            held_notifications: BytesMut::new(),
             lex: fence_core::lexer::LexOptions::default(),
             chars: fence::Chars::default(),
             sync_sent: std::collections::VecDeque::new(),

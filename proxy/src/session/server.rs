@@ -146,18 +146,30 @@ impl Session {
     /// comparing with the pid of its BackendKeyData, as libpq's `PQbackendPID` advises);
     /// any other backend by its own pid.
     fn forward_notification(&mut self, frame: &[u8]) {
-        let at = self.to_client.len();
-        self.to_client.extend_from_slice(frame);
-        let Some(sender) = frame.get(5..9) else {
-            return;
+        // Sent at pgfence's own Sync: PostgreSQL would send it right before the client's
+        // next ReadyForQuery, as the ParameterStatus held with it (see `held_status`).
+        let held = !self.held_status.is_empty()
+            || !self.held_notifications.is_empty()
+            || self
+                .replies
+                .front()
+                .is_some_and(|p| p.origin == Origin::Injected(Injected::StateSync));
+        let given = frame.get(5..9).and_then(|sender| {
+            let sender = i32::from_be_bytes([sender[0], sender[1], sender[2], sender[3]]);
+            match self.client_key {
+                Some((pid, _)) if sender == self.backend_pid => Some(pid),
+                _ => self.shared.cancel.client_pid(&self.upstream, sender),
+            }
+        });
+        let to = if held {
+            &mut self.held_notifications
+        } else {
+            &mut self.to_client
         };
-        let sender = i32::from_be_bytes([sender[0], sender[1], sender[2], sender[3]]);
-        let given = match self.client_key {
-            Some((pid, _)) if sender == self.backend_pid => Some(pid),
-            _ => self.shared.cancel.client_pid(&self.upstream, sender),
-        };
+        let at = to.len();
+        to.extend_from_slice(frame);
         if let Some(pid) = given {
-            self.to_client[at + 5..at + 9].copy_from_slice(&pid.to_be_bytes());
+            to[at + 5..at + 9].copy_from_slice(&pid.to_be_bytes());
         }
     }
 
@@ -610,6 +622,10 @@ impl Session {
     /// that tell it a value it already had (a setting changed and changed back: PostgreSQL
     /// would report neither).
     fn release_held_status(&mut self) {
+        if !self.held_notifications.is_empty() {
+            let held = std::mem::take(&mut self.held_notifications);
+            self.to_client.extend_from_slice(&held);
+        }
         if self.held_status.is_empty() {
             return;
         }
