@@ -185,6 +185,20 @@ impl SessionError {
 
     /// Appends the FATAL ErrorResponse that tells the client why its session ends.
     pub fn to_client(&self, out: &mut BytesMut) {
+        self.to_client_hinted(out, self.hint());
+    }
+
+    /// [`SessionError::to_client`] for a session pgfence ends (shutdown, `KILL_CLIENT`)
+    /// while requests it sent are unanswered: the server may still run them, a COMMIT
+    /// included, which PostgreSQL's own 57P01 would have rolled back.
+    pub fn to_client_in_flight(&self, out: &mut BytesMut) {
+        self.to_client_hinted(
+            out,
+            Some("Requests of this session were still in flight: the server may have run them or not. A COMMIT among them may or may not have committed."),
+        );
+    }
+
+    fn to_client_hinted(&self, out: &mut BytesMut, hint: Option<&str>) {
         let message = match self {
             // PostgreSQL's words, as they are.
             SessionError::Startup(e @ StartupError::NoUser) => e.to_string(),
@@ -207,7 +221,7 @@ impl SessionError {
                 code: self.sqlstate(),
                 message: &message,
                 detail: None,
-                hint: self.hint(),
+                hint,
             },
         );
     }

@@ -20,6 +20,9 @@
 //! - [`kill_client_ends_one_session`]: `KILL_CLIENT` ends a session in the middle of a
 //!   transaction (FATAL 57P01, its insert rolled back, its backend gone rather than kept)
 //!   and leaves another session alone; unknown and malformed ids are errors. `SHOW VERSION`.
+//! - [`kill_client_ends_sessions_in_flight_and_not_reading`]: `KILL_CLIENT` of a session
+//!   with a COMMIT in flight says the COMMIT may have committed; of one whose client does
+//!   not read, it ends the session and its backend all the same.
 //! - [`numbers_are_typed_int8`]: the RowDescription of each command types its numbers.
 //! - [`show_fences_without_the_schema_says_what_to_do`]: an `admin.database` without schema
 //!   pgfence gets the server's 42P01 with a hint naming `admin.database` and `pgfence
@@ -825,6 +828,112 @@ async fn kill_client_ends_one_session() {
         .batch_execute("INSERT INTO ledger VALUES (43)")
         .await
         .expect("the bystander is not killed");
+}
+
+/// `KILL_CLIENT` of a session whose COMMIT is in flight: the server may still commit it
+/// (pgfence closes the connection; the backend finishes what it runs), so the FATAL 57P01
+/// says so in its hint (a review saw a client told 57P01, which from PostgreSQL means
+/// rolled back, for a COMMIT that committed; stop 55). And of a session whose client does
+/// not read: it ends all the same, with its backend (its goodbye waited for the client
+/// to read, and the session and backend stayed until the client closed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_client_ends_sessions_in_flight_and_not_reading() {
+    let (cluster, proxy, _) = setup().await;
+    let direct = cluster.connect(APP_DB).await;
+    direct
+        .batch_execute(
+            "CREATE FUNCTION slow_check() RETURNS trigger LANGUAGE plpgsql AS \
+               $$ BEGIN PERFORM pg_sleep(2); RETURN NULL; END $$; \
+             CREATE CONSTRAINT TRIGGER slow AFTER INSERT ON ledger \
+               DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION slow_check()",
+        )
+        .await
+        .expect("deferred trigger");
+    let admin = proxy.connect(CONSOLE).await;
+    let kill = |application_name: &'static str| {
+        let admin = &admin;
+        async move {
+            let clients = show(admin, "SHOW CLIENTS").await;
+            let id = clients
+                .records()
+                .iter()
+                .find(|c| c["application_name"] == application_name)
+                .map(|c| (c["id"].to_string(), c["backend_pid"].to_string()))
+                .unwrap_or_else(|| panic!("no client {application_name}: {:?}", clients.rows));
+            admin
+                .simple_query(&format!("KILL_CLIENT {}", id.0))
+                .await
+                .expect("KILL_CLIENT");
+            id.1.parse::<i32>().expect("backend pid")
+        }
+    };
+    let login = |application_name: &str| {
+        let mut conn = RawConn::connect(proxy.addr());
+        conn.send(&wire::startup_version(
+            196608,
+            &[
+                ("user", SUPERUSER.as_bytes()),
+                ("database", APP_DB.as_bytes()),
+                ("application_name", application_name.as_bytes()),
+                ("options", b"-c fencing.token=5"),
+            ],
+        ));
+        conn.until_ready();
+        conn
+    };
+
+    let mut committing = login("committing");
+    committing.send(&wire::query("BEGIN; INSERT INTO ledger VALUES (51)"));
+    committing.until_ready();
+    committing.send(&wire::query("COMMIT"));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    kill("committing").await;
+    let fatal = match committing.next(Duration::from_secs(5)) {
+        Ok(wire::Read1::Msg(m)) => m,
+        other => panic!("the killed session got no error: {other:?}"),
+    };
+    wire::assert_error(&fatal, "FATAL", "57P01");
+    let hint = fatal.field(b'H').unwrap_or_default();
+    assert!(
+        hint.contains("may or may not have committed"),
+        "the goodbye does not say the COMMIT in flight may have committed: {fatal:?}"
+    );
+
+    let mut deaf = login("deaf");
+    deaf.send(&wire::query(
+        "SELECT repeat('x', 1000000) FROM generate_series(1, 500)",
+    ));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let pid = kill("deaf").await;
+    let mut gone = false;
+    for _ in 0..100 {
+        let row = direct
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE pid = $1",
+                &[&pid],
+            )
+            .await
+            .expect("pg_stat_activity");
+        if row.get::<_, i64>(0) == 0 {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        gone,
+        "the backend of a killed client that does not read is still there"
+    );
+    let clients = show(&admin, "SHOW CLIENTS").await;
+    assert!(
+        clients
+            .records()
+            .iter()
+            .all(|c| c["application_name"] != "deaf"),
+        "{:?}",
+        clients.rows
+    );
+    drop(deaf);
 }
 
 /// `SHOW STATS` counts each client Query once, also one pgfence holds until the check

@@ -27,8 +27,9 @@
 //!   open transaction rolls back, `SHOW CLIENTS` forgets it, `pgfence_panics_total`
 //!   counts it, the log says what and who.
 //! - [`pgfence_memory_stays_bounded`]: a client that pipelines Syncs for seconds without
-//!   reading a reply, and one that receives a 50 MB row and sends a 50 MB Query, leave the
-//!   `pgfence` binary's RSS within a few MiB of where it was.
+//!   reading a reply, one that reads a 100 MB row or copy data only after a while (it
+//!   streams through), and one that receives a 50 MB row and sends a 50 MB Query, leave
+//!   the `pgfence` binary's RSS within a few MiB of where it was.
 //! - [`the_binary_s_worker_threads_time_out_silent_clients`]: the same startup timeout in
 //!   the `pgfence` binary, whose sessions run on worker threads (runtimes of their own).
 
@@ -1032,6 +1033,38 @@ fn pgfence_memory_stays_bounded() {
              reading"
         );
         drop((socket, flood));
+    }
+
+    // A 100 MB row the client reads only after a while: it goes on as it arrives, as
+    // through PgBouncer (held whole, three sessions' 300 MB rows took pgfence past 1 GB;
+    // a review, stop 55), and the server waits for the client. With COPY TO STDOUT too.
+    for (sql, tag) in [
+        ("SELECT repeat('z', 100000000)", b'D'),
+        ("COPY (SELECT repeat('z', 100000000)) TO STDOUT", b'd'),
+    ] {
+        let (mut slow, _) = RawConn::login(proxy.addr(), SUPERUSER, APP_DB);
+        slow.send(&wire::query(sql));
+        std::thread::sleep(Duration::from_secs(2));
+        let grown = rss_kib(proxy.pid()).saturating_sub(base);
+        eprintln!("a 100 MB message unread: pgfence grew by {grown} KiB");
+        assert!(
+            grown < 32 * 1024,
+            "pgfence grew by {grown} KiB while a client did not read a 100 MB message"
+        );
+        let replies = slow.until_ready();
+        let message = replies.iter().find(|m| m.tag == tag).expect("the message");
+        assert!(
+            message.body.len() > 100_000_000
+                && message.body[message.body.len() - 100_000_000..]
+                    .iter()
+                    .filter(|&&b| b != b'z')
+                    .count()
+                    <= 1,
+            "the message arrived changed ({} bytes)",
+            message.body.len()
+        );
+        slow.send(&wire::query("SELECT 1"));
+        assert!(slow.until_ready().iter().any(|m| m.tag == b'D'));
     }
 
     // A 50 MB row and a 50 MB Query, then the session idles.

@@ -45,7 +45,7 @@ use crate::state::Shared;
 use self::fence::FenceSettings;
 use self::opening::{accept, connect_upstream, first_reply, tell_client, Accepted};
 use self::readable::Marked;
-use self::replies::Replies;
+use self::replies::{Origin, Replies, Request};
 use self::tx::TxState;
 
 /// Output buffered for one side beyond which pgfence stops reading the other side.
@@ -79,6 +79,10 @@ fn shrink_when_empty(buf: &mut BytesMut) {
 const RESET_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 /// How long the last words to a client whose session fails may take to write.
 const FAIL_WRITE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// A server message for the client at least this large goes on as its bytes arrive,
+/// rather than whole (see `Session::streams_to_client`).
+const STREAM_ABOVE: usize = 256 * 1024;
 
 /// A statement the client prepared, or the one behind a portal.
 #[derive(Debug)]
@@ -634,6 +638,10 @@ pub(crate) struct Session {
     /// NotificationResponse messages the server sent at pgfence's own Sync (or behind
     /// those), held as `held_status` is.
     held_notifications: BytesMut,
+    /// Bytes still to come of a server message streamed to the client as they arrive (see
+    /// `Session::streams_to_client`): until they are through, nothing else is written to
+    /// the client, and client messages wait.
+    server_stream_left: usize,
     /// When each client Query, Sync or FunctionCall still in flight was sent (latency).
     sync_sent: std::collections::VecDeque<Instant>,
     /// When the check in flight was sent (latency).
@@ -753,6 +761,7 @@ impl Session {
             held_status: Vec::new(),
             held_seen: Vec::new(),
             held_notifications: BytesMut::new(),
+            server_stream_left: 0,
             lex: fence_core::lexer::LexOptions::default(),
             chars: fence::Chars::default(),
             sync_sent: std::collections::VecDeque::new(),
@@ -996,7 +1005,10 @@ impl Session {
     /// Ends the session over invalid input from either side: the client gets what it is
     /// already owed, then a FATAL error saying why (08P01 for its own protocol violations).
     async fn fail(&mut self, cw: &mut crate::net::WriteHalf<'_>, e: SessionError) -> SessionError {
-        e.to_client(&mut self.to_client);
+        // Not after part of a streamed message, which the client could not read past.
+        if self.server_stream_left == 0 {
+            e.to_client(&mut self.to_client);
+        }
         // A client that does not read cannot hold the session task forever.
         let _ = crate::deadline::timeout(FAIL_WRITE_TIMEOUT, write_out(cw, &self.to_client)).await;
         e
@@ -1021,15 +1033,25 @@ impl Session {
         e
     }
 
-    /// Tells the client why pgfence ends its session: shutting down, or `KILL_CLIENT`.
+    /// Tells the client why pgfence ends its session: shutting down, or `KILL_CLIENT`. What
+    /// it is owed goes first; then the error, which says so when requests are unanswered
+    /// (the server may still commit a COMMIT among them: a review found a client told
+    /// 57P01 for a COMMIT that committed, stop 55). Not after part of a message streamed
+    /// (see `server_stream_left`): the client could not read it. A client that does not
+    /// read cannot hold the session (it held `KILL_CLIENT`'s and a shutdown's end).
     async fn say_goodbye(
         &mut self,
         cw: &mut crate::net::WriteHalf<'_>,
         e: SessionError,
     ) -> SessionError {
-        let mut out = BytesMut::new();
-        e.to_client(&mut out);
-        let _ = write_out(cw, &out).await;
+        if self.server_stream_left == 0 {
+            if self.replies.is_empty() {
+                e.to_client(&mut self.to_client);
+            } else {
+                e.to_client_in_flight(&mut self.to_client);
+            }
+        }
+        let _ = crate::deadline::timeout(FAIL_WRITE_TIMEOUT, write_out(cw, &self.to_client)).await;
         e
     }
 
@@ -1094,7 +1116,7 @@ impl Session {
     /// Whether client messages are read and handled now.
     #[inline]
     fn reads_client(&self) -> bool {
-        self.hold != Hold::Waiting || self.copy_through
+        (self.hold != Hold::Waiting || self.copy_through) && self.server_stream_left == 0
     }
 
     /// Processes every complete client message in `buf`.
@@ -1124,8 +1146,18 @@ impl Session {
         Ok(flow)
     }
 
-    /// Processes every complete server message in `buf`.
+    /// Processes every complete server message in `buf`; a large row or copy data for the
+    /// client goes on as it arrives (see `server_stream_left`).
     fn on_server_bytes(&mut self, buf: &mut BytesMut) -> Result<(), SessionError> {
+        if self.server_stream_left > 0 {
+            let n = self.server_stream_left.min(buf.len());
+            self.to_client.extend_from_slice(&buf[..n]);
+            buf.advance(n);
+            self.server_stream_left -= n;
+            if self.server_stream_left > 0 {
+                return Ok(());
+            }
+        }
         let mut at = 0;
         while let Some((tag, len)) =
             next_frame(&buf[at..], SERVER_MAX_MESSAGE).map_err(SessionError::ServerFrame)?
@@ -1153,6 +1185,13 @@ impl Session {
             }
             at += len;
         }
+        if buf.len() - at >= 5 && self.streams_to_client(&buf[at..]) {
+            self.to_client.extend_from_slice(&buf[at..]);
+            let total = 1
+                + u32::from_be_bytes([buf[at + 1], buf[at + 2], buf[at + 3], buf[at + 4]]) as usize;
+            self.server_stream_left = total - (buf.len() - at);
+            at = buf.len();
+        }
         buf.advance(at);
         if self.copy_from_client == CopyFromClient::MayStart && self.replies.is_empty() {
             // Everything sent is answered without a CopyInResponse: the COPY failed, or never
@@ -1178,6 +1217,27 @@ impl Session {
             self.hold = Hold::None;
         }
         Ok(())
+    }
+
+    /// Whether the incomplete server message at the start of `rest` (its header read) goes
+    /// on to the client as its bytes arrive: a row (DataRow) or copy data (CopyData) of
+    /// at least `STREAM_ABOVE` bytes for the client, which pgfence forwards as it is.
+    /// Held whole, a few sessions' `SELECT repeat('x', 300000000)` took pgfence past 1 GB
+    /// (PgBouncer: 4 MB; a review, stop 55).
+    #[inline]
+    fn streams_to_client(&self, rest: &[u8]) -> bool {
+        let total = 1 + u32::from_be_bytes([rest[1], rest[2], rest[3], rest[4]]) as usize;
+        total >= STREAM_ABOVE
+            && self.phase == Phase::Ready
+            && match (rest[0], self.replies.front()) {
+                (b'D' | b'd', None) => true,
+                (b'D', Some(p)) => {
+                    p.origin == Origin::Client
+                        && !(p.request == Request::Query && p.plan.in_check())
+                }
+                (b'd', Some(p)) => p.origin == Origin::Client,
+                _ => false,
+            }
     }
 
     /// Cleans up shared state when the session ends (again when it is dropped, for a
