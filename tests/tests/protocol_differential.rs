@@ -471,8 +471,30 @@ fn main_steps(abs_oid: u32) -> Vec<Step> {
                 pbe("SET DateStyle = 'ISO, YMD'", &[]),
                 wire::sync(),
                 q("SET standard_conforming_strings = on; SET DateStyle = 'ISO, MDY'; UNLISTEN dch"),
+                // A backslash in a comment of the `VACUUM`: it reads alike under both
+                // settings (pgfence forgot it, and the `VACUUM` was refused; review N).
+                pbe("BEGIN", &[]),
+                pbe("SET standard_conforming_strings = off", &[]),
+                pbe("COMMIT", &[]),
+                pbe("VACUUM d -- \\", &[]),
+                wire::sync(),
+                q("SET standard_conforming_strings = on"),
+                // Behind a Bind that may have written: pgfence's Sync there is a check's,
+                // whose settings it holds too; and they come in PostgreSQL's order.
+                pbe("BEGIN", &[]),
+                pbe("SET application_name = 'a'", &[]),
+                pbe("SET TimeZone = 'UTC'", &[]),
+                pbe("COMMIT", &[]),
+                wire::parse("", "INSERT INTO d VALUES (31, 'b')", &[]),
+                wire::bind("pb", "", &[]),
+                pbe("VACUUM d", &[]),
+                pbe("SET application_name = 'zz'", &[]),
+                pbe("SET application_name = ''", &[]),
+                pbe("SET DateStyle = 'SQL, DMY'", &[]),
+                wire::sync(),
+                q("RESET TimeZone; SET DateStyle = 'ISO, MDY'"),
             ]),
-            Ready(3),
+            Ready(7),
         ),
         step(
             // A portal bound before an Executed `DISCARD ALL`, or a `VACUUM` behind an

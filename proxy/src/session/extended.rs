@@ -78,6 +78,20 @@ fn may_prepare(p: &Prepared) -> bool {
     !matches!(p.prepares, PreparedInSql::No) || executes_in_sql(p)
 }
 
+/// Whether running `p` commits the transaction it runs in as it runs, before anything of
+/// pgfence's after it could check that transaction: a statement that cannot run in a
+/// transaction block and does not run in one alike (`VACUUM`, `CREATE INDEX CONCURRENTLY`,
+/// `CREATE DATABASE`, ..., not `ANALYZE`, `REINDEX` or `CLUSTER` of one table), `DISCARD
+/// ALL`, `COMMIT PREPARED` or `ROLLBACK PREPARED`.
+fn commits_as_it_runs(p: &Prepared) -> bool {
+    matches!(&*p.analysis.statements, [only]
+        if only.commits_at_once
+            || only.kind == StatementKind::FinishPrepared
+            || (only.kind == StatementKind::NonTransactional
+                && !only.runs_in_block
+                && !only.may_commit_inside))
+}
+
 /// Whether `p` is a SQL `EXECUTE`.
 fn executes_in_sql(p: &Prepared) -> bool {
     p.analysis
@@ -663,6 +677,21 @@ impl Session {
             }
         } else if !prechecked
             && !pipelined
+            && self.tx.dirty
+            && !matches!(self.tx.view, View::InBlock | View::Failed)
+            && prepared.as_deref().is_some_and(commits_as_it_runs)
+        {
+            // A statement that commits the batch's transaction as it runs, not checked at
+            // its Bind since (or checked before a Bind after its own): a Bind since may have
+            // written, which it would commit unchecked (review N, stop 55: a stale write
+            // through a Bind between the Bind and the Execute of a `DISCARD ALL` or a
+            // `VACUUM` committed). A forced check right before it makes PostgreSQL refuse
+            // it "within a pipeline", and the transaction, with that write, rolls back, where
+            // directly it would run.
+            self.tx.view = View::Unknown;
+            self.inject_check(true);
+        } else if !prechecked
+            && !pipelined
             && kind == StatementKind::NonTransactional
             && !matches!(self.tx.view, View::InBlock | View::Failed)
             && prepared
@@ -714,6 +743,17 @@ impl Session {
             self.tx.note_schema_change();
         }
         self.tx.on_statement(kind);
+        if (self.tx.dirty || !self.tx.directives.is_empty())
+            && !matches!(self.tx.view, View::InBlock | View::Failed)
+            && prepared.as_deref().is_some_and(commits_as_it_runs)
+        {
+            // It commits the transaction it runs in, checked before it (above, or at its
+            // Bind): what follows in the batch runs in a new one, which the comment tokens of
+            // this statement and those before it are not for (a `/* fencing_token=34 */
+            // VACUUM` once fenced a stale session's `INSERT` after it with 34; review N,
+            // stop 55). (In a block it fails, and the block with it.)
+            self.tx.end();
+        }
         self.note_copy_in(prepared.as_deref());
         self.forward(frame, Request::Execute);
         Ok(Flow::Continue)

@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::time::SystemTime;
 
 use bytes::{Bytes, BytesMut};
+use fence_core::classify::analyze_with;
 use fence_core::directive::Directive;
+use fence_core::lexer::LexOptions;
 use fence_core::rejection::Rejection;
 use fence_core::sql::{self, CheckArgs};
 use fence_core::token::{Resource, Token};
@@ -668,17 +670,21 @@ impl Session {
         match name {
             b"standard_conforming_strings" => {
                 let scs = value != b"off";
+                let new = LexOptions {
+                    standard_conforming_strings: scs,
+                };
                 if scs != self.lex.standard_conforming_strings
-                    && self
-                        .unnamed_statement
-                        .as_ref()
-                        .is_some_and(|p| memchr::memchr(b'\\', &p.sql).is_some())
+                    && self.unnamed_statement.as_ref().is_some_and(|p| {
+                        memchr::memchr(b'\\', &p.sql).is_some()
+                            && analyze_with(&p.sql, new) != p.analysis
+                    })
                 {
                     // Analyses made under the old setting are not reused (a portal pgfence
-                    // no longer knows is treated as one that may write). A text without `\`
-                    // lexes alike under both: kept (forgotten, a `VACUUM` bound behind a
+                    // no longer knows is treated as one that may write). One that reads
+                    // alike under both is kept (forgotten, a `VACUUM` bound behind a
                     // `COMMIT` that ended the block which changed the setting got the check
-                    // of an unknown portal, which made PostgreSQL refuse it; review L).
+                    // of an unknown portal, which made PostgreSQL refuse it; reviews L and
+                    // N, stop 55).
                     self.unnamed_statement = None;
                     self.names_forgotten = true;
                 }

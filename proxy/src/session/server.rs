@@ -44,11 +44,7 @@ impl Session {
             Backend::NoticeResponse => self.forward_if_client(frame),
             Backend::NotificationResponse => self.forward_notification(frame),
             Backend::ParameterStatus => {
-                let hold = !self.held_status.is_empty()
-                    || self
-                        .replies
-                        .front()
-                        .is_some_and(|p| p.origin == Origin::Injected(Injected::StateSync));
+                let hold = !self.held_status.is_empty() || self.at_own_sync();
                 if hold && self.held_status.is_empty() {
                     self.held_seen = self.login.params.clone();
                 }
@@ -150,10 +146,7 @@ impl Session {
         // next ReadyForQuery, as the ParameterStatus held with it (see `held_status`).
         let held = !self.held_status.is_empty()
             || !self.held_notifications.is_empty()
-            || self
-                .replies
-                .front()
-                .is_some_and(|p| p.origin == Origin::Injected(Injected::StateSync));
+            || self.at_own_sync();
         let given = frame.get(5..9).and_then(|sender| {
             let sender = i32::from_be_bytes([sender[0], sender[1], sender[2], sender[3]]);
             match self.client_key {
@@ -590,6 +583,18 @@ impl Session {
         msg::ready_for_query(&mut self.to_client, status);
     }
 
+    /// Whether what the server sends now comes with the ReadyForQuery of a Sync of
+    /// pgfence's inside the client's batch (learning the state, or a check before a
+    /// statement it checks first), which PostgreSQL would send with the client's next one.
+    fn at_own_sync(&self) -> bool {
+        self.replies.front().is_some_and(|p| {
+            matches!(
+                p.origin,
+                Origin::Injected(Injected::StateSync | Injected::CheckSync(AfterCheck::Release))
+            )
+        })
+    }
+
     /// Holds a ParameterStatus for the client's next ReadyForQuery (see `held_status`),
     /// behind those held already; a later one of the same setting takes the held one's
     /// place. (A value held from pgfence's Sync once reached the client after the newer one
@@ -631,13 +636,19 @@ impl Session {
         }
         let held = std::mem::take(&mut self.held_status);
         let seen = std::mem::take(&mut self.held_seen);
+        let mut frames = Vec::new();
         let mut at = 0;
         while let Ok(Some((_, len))) = next_frame(&held[at..], u32::MAX) {
-            let frame = &held[at..at + len];
+            frames.push(&held[at..at + len]);
+            at += len;
+        }
+        // In PostgreSQL's order for one ReadyForQuery: by name, case aside (15's list of
+        // settings is sorted so).
+        frames.sort_by_key(|f| msg::cstr(msg::body(f)).map(|(name, _)| name.to_ascii_lowercase()));
+        for frame in frames {
             if !seen.iter().any(|(_, f)| **f == *frame) {
                 self.to_client.extend_from_slice(frame);
             }
-            at += len;
         }
     }
 
