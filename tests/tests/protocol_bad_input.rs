@@ -1067,6 +1067,31 @@ fn pgfence_memory_stays_bounded() {
         assert!(slow.until_ready().iter().any(|m| m.tag == b'D'));
     }
 
+    // Over the extended protocol, a row streamed while the client's Sync is still to come
+    // (in a later write): the server sends the row's end only at a Sync or Flush, which
+    // pgfence did not read while it streamed, and the session hung (review O, stop 55).
+    let (mut later, _) = RawConn::login(proxy.addr(), SUPERUSER, APP_DB);
+    for _ in 0..3 {
+        later.send(
+            &[
+                wire::parse("", "SELECT repeat('x', 300000)", &[]),
+                wire::bind("", "", &[]),
+                wire::execute("", 0),
+            ]
+            .concat(),
+        );
+        std::thread::sleep(Duration::from_millis(300));
+        later.send(&wire::sync());
+        let replies = later.until_ready();
+        assert!(
+            replies
+                .iter()
+                .any(|m| m.tag == b'D' && m.body.len() == 2 + 4 + 300_000),
+            "{:?}",
+            replies.iter().map(|m| m.tag as char).collect::<String>()
+        );
+    }
+
     // A 50 MB row and a 50 MB Query, then the session idles.
     let (mut big, _) = RawConn::login(proxy.addr(), SUPERUSER, APP_DB);
     big.send(&wire::query("SELECT repeat('x', 50000000)"));

@@ -497,6 +497,22 @@ fn main_steps(abs_oid: u32) -> Vec<Step> {
             Ready(7),
         ),
         step(
+            // A Query inside a batch behind an Executed `BEGIN` runs in the block that
+            // `BEGIN` opened (or is skipped, if it failed): pgfence appended its check to it,
+            // which took a snapshot in the block, and the client's `BEGIN ISOLATION LEVEL`
+            // after it failed 25001 (random FunctionCalls seed 34086, older than stop 54).
+            "a Query inside a batch behind an Executed BEGIN",
+            cat(&[
+                q("BEGIN"),
+                pbe("BEGIN", &[]),
+                q("RESET application_name"),
+                wire::sync(),
+                q("BEGIN ISOLATION LEVEL SERIALIZABLE; SHOW transaction_isolation"),
+                q("ROLLBACK"),
+            ]),
+            Ready(5),
+        ),
+        step(
             // A portal bound before an Executed `DISCARD ALL`, or a `VACUUM` behind an
             // Executed `COMMIT`: the statement's commit ends it (34000 after), on both.
             // pgfence checks what the batch's Binds may have written before it, with a Sync

@@ -330,7 +330,8 @@ pub(crate) async fn serve(client: Stream, peer: ClientAddr, shared: Arc<Shared>,
                         session = id,
                         error = e.to_string().as_str(),
                         "a session's server connection failed; the client was told (08006 or \
-                         the server's own FATAL)"
+                         the server's own FATAL), or, in the middle of a large row or copy \
+                         data streamed to it, its connection was closed"
                     );
                 } else if matches!(
                     e,
@@ -1186,6 +1187,17 @@ impl Session {
             at += len;
         }
         if buf.len() - at >= 5 && self.streams_to_client(&buf[at..]) {
+            if self
+                .replies
+                .front()
+                .is_some_and(|p| p.request == Request::Execute)
+            {
+                // The server sends an Execute's output as its buffer fills, the rest only
+                // at a Sync or Flush, which pgfence does not read from the client while it
+                // streams: one of its own (review O, stop 55: a 300 KB row whose Sync came
+                // in a later write hung the session; psycopg's pipelines did so).
+                crate::protocol::message::flush(&mut self.to_server);
+            }
             self.to_client.extend_from_slice(&buf[at..]);
             let total = 1
                 + u32::from_be_bytes([buf[at + 1], buf[at + 2], buf[at + 3], buf[at + 4]]) as usize;
