@@ -662,6 +662,22 @@ async fn a_rejection_names_its_own_transactions_statement() {
         .concat(),
     );
     assert!(has_fn001(&raw.until_ready()), "the stale VACUUM");
+    // A FunctionCall inside a batch, checked first in the batch's transaction: named, not
+    // the statement before it (the `COMMIT`, or the `VACUUM` above; review P, stop 55).
+    raw.send(
+        &[
+            wire::parse("", "COMMIT", &[]),
+            wire::bind("", "", &[]),
+            wire::execute("", 0),
+            wire::function_call(957, &[Some(b"-1")]),
+            wire::sync(),
+        ]
+        .concat(),
+    );
+    assert!(
+        has_fn001(&raw.until_ready()),
+        "the stale FunctionCall in a batch"
+    );
     // A client whose encoding is LATIN1: its text converted, not U+FFFD (review H, stop 54).
     let mut latin1 = RawConn::login_with_params(
         proxy.addr(),
@@ -686,6 +702,7 @@ async fn a_rejection_names_its_own_transactions_statement() {
         read_simple,
         read_extended,
         "VACUUM ledger".to_string(),
+        "FunctionCall (function oid 957)".to_string(),
         insert(6, "café"),
     ];
     let statements = eventually(

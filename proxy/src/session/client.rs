@@ -469,6 +469,12 @@ impl Session {
                     if self.waits_for_state_inside_batch() {
                         return self.hold_until_answered();
                     }
+                    if !self.tx.dirty {
+                        // What a rejection names: the call, where the batch's transaction
+                        // wrote nothing before it (the log named the `COMMIT` before it;
+                        // review P, stop 55).
+                        self.remember_function_call(frame);
+                    }
                     return self.check_inside_batch_first(true);
                 }
                 None if self.replies.awaits_ready() && !self.tx.batch_has_execute => {
