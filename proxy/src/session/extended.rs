@@ -449,11 +449,8 @@ impl Session {
             // pgfence's, as at the batch's Sync; its commit would end the portals that Sync
             // ends.
             None if self.tx.dirty
-                && prepared.as_ref().is_some_and(|p| {
-                    matches!(&*p.analysis.statements, [only]
-                        if only.kind == StatementKind::FinishPrepared
-                            || (only.kind == StatementKind::Discard && only.commits_at_once))
-                })
+                && !non_transactional
+                && prepared.as_deref().is_some_and(commits_as_it_runs)
                 && (self.precheck_possible() || self.learns_state_at_bind(portal, false)) =>
             {
                 return Ok(self.learn_state_first(&[], false));
